@@ -1,0 +1,28 @@
+# One virtualenv per checkout; torch is pinned first to the CPU wheel so setup never pulls a CUDA build.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH ?= torch==2.13.0
+
+.PHONY: venv smoke test bench clean
+
+$(BIN)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $@
+
+venv: $(BIN)/.installed
+
+smoke: venv
+	bash launch/smoke.sh
+
+test: venv
+	DS_ACCELERATOR=cpu $(BIN)/python -m pytest
+
+bench: venv
+	$(BIN)/python -m bench.kda
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,335 @@
+"""K3Config: one dataclass for the whole text model, mirroring the released HF `text_config` keys.
+
+Field names are the HF keys (see ../shared/k3/HF_KEYS.md) so `config.json` round-trips; the few project-only
+settings (balancer, chunk size) are saved too and ignored by other readers. The 3:1 KDA/MLA schedule is derived
+(`layer_types`), never hand-listed in presets. Every check raises `ConfigError` with one line naming the key and
+the fix.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+BalanceMode = Literal["quantile", "sign", "aux", "none"]
+
+_LINEAR_ATTN_KEYS = (
+    "full_attn_layers",
+    "kda_layers",
+    "num_heads",
+    "head_dim",
+    "short_conv_kernel_size",
+    "gate_lower_bound",
+    "use_full_rank_gate",
+)
+
+
+class ConfigError(ValueError):
+    """A model configuration that cannot be built; the message names the key and the fix."""
+
+
+def k3_schedule(num_layers: int) -> tuple[list[int], list[int]]:
+    """(kda_layers, full_attn_layers), 1-indexed: MLA iff l % 4 == 0 or l == L (spec §1), KDA otherwise."""
+    mla = [l for l in range(1, num_layers + 1) if l % 4 == 0 or l == num_layers]
+    kda = [l for l in range(1, num_layers + 1) if l not in mla]
+    return kda, mla
+
+
+@dataclass
+class K3Config:
+    # --- global -------------------------------------------------------------------------------------------
+    vocab_size: int = 4096
+    hidden_size: int = 256
+    num_hidden_layers: int = 8
+    intermediate_size: int = 1024  # dense FFN width (layers < first_k_dense_replace)
+    first_k_dense_replace: int = 1
+    moe_layer_freq: int = 1
+    rms_norm_eps: float = 1e-5
+    initializer_range: float = 0.02
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 1_048_576
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    num_nextn_predict_layers: int = 0
+    # --- SiTU-GLU ---------------------------------------------------------------------------------------------
+    hidden_act: str = "situ"
+    activation_situ_beta: float = 4.0
+    activation_situ_linear_beta: float = 25.0
+    # --- KDA (`linear_attn_config`); None lists are derived from the 3:1 schedule ---------------------------------
+    linear_attn_config: dict[str, Any] = field(default_factory=dict)
+    # --- Gated MLA --------------------------------------------------------------------------------------------
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 4
+    q_lora_rank: int | None = 128
+    kv_lora_rank: int = 64
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 16
+    v_head_dim: int = 32
+    mla_use_nope: bool = True
+    mla_use_output_gate: bool = True
+    # --- LatentMoE --------------------------------------------------------------------------------------------
+    num_experts: int = 8
+    num_experts_per_token: int = 2
+    num_shared_experts: int = 2
+    moe_intermediate_size: int = 128
+    routed_expert_hidden_size: int = 128  # latent width l
+    latent_moe_use_norm: bool = True
+    moe_renormalize: bool = True
+    routed_scaling_factor: float = 1.0
+    moe_router_activation_func: str = "sigmoid"
+    num_expert_group: int = 1
+    topk_group: int = 1
+    topk_method: str = "noaux_tc"
+    use_grouped_topk: bool = True
+    # --- Block Attention Residuals (None or 0 disables: plain PreNorm residual stack) ---------------------------
+    attn_res_block_size: int | None = 3
+    # --- project-only settings (saved in config.json; other readers ignore them) -------------------------------
+    kda_chunk_size: int = 64
+    moe_balance: BalanceMode = "quantile"
+    moe_balance_estimator: Literal["exact", "histogram"] = "exact"
+    moe_balance_bins: int = 1000
+    moe_sign_update_rate: float = 1e-3  # DeepSeek-V3 gamma
+    moe_aux_loss_coef: float = 1e-4  # sequence-wise auxiliary loss coefficient (balance == "aux")
+
+    def __post_init__(self) -> None:
+        lac = dict(self.linear_attn_config or {})
+        unknown = set(lac) - set(_LINEAR_ATTN_KEYS)
+        if unknown:
+            raise ConfigError(
+                f"linear_attn_config has unknown keys {sorted(unknown)}; allowed: {list(_LINEAR_ATTN_KEYS)}"
+            )
+        kda, mla = k3_schedule(self.num_hidden_layers)
+        lac.setdefault("kda_layers", kda)
+        lac.setdefault("full_attn_layers", mla)
+        lac.setdefault("num_heads", 4)
+        lac.setdefault("head_dim", 64)
+        lac.setdefault("short_conv_kernel_size", 4)
+        lac.setdefault("gate_lower_bound", -5.0)
+        lac.setdefault("use_full_rank_gate", True)
+        lac["kda_layers"] = [int(x) for x in lac["kda_layers"]]
+        lac["full_attn_layers"] = [int(x) for x in lac["full_attn_layers"]]
+        self.linear_attn_config = lac
+        self.validate()
+
+    # --- derived views ----------------------------------------------------------------------------------------
+    @property
+    def layer_types(self) -> list[str]:
+        """'kda' or 'mla' for each 0-based layer."""
+        mla = set(self.linear_attn_config["full_attn_layers"])
+        return ["mla" if (i + 1) in mla else "kda" for i in range(self.num_hidden_layers)]
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """0-based: MoE iff past the first_k_dense_replace dense layers (and on the moe_layer_freq grid)."""
+        return layer_idx >= self.first_k_dense_replace and layer_idx % self.moe_layer_freq == 0
+
+    @property
+    def kda_num_heads(self) -> int:
+        return int(self.linear_attn_config["num_heads"])
+
+    @property
+    def kda_head_dim(self) -> int:
+        return int(self.linear_attn_config["head_dim"])
+
+    @property
+    def kda_conv_size(self) -> int:
+        return int(self.linear_attn_config["short_conv_kernel_size"])
+
+    @property
+    def kda_gate_lower_bound(self) -> float | None:
+        g = self.linear_attn_config["gate_lower_bound"]
+        return None if g is None else float(g)
+
+    @property
+    def kda_use_full_rank_gate(self) -> bool:
+        return bool(self.linear_attn_config["use_full_rank_gate"])
+
+    @property
+    def mla_q_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def attn_res_enabled(self) -> bool:
+        return bool(self.attn_res_block_size)
+
+    # --- validation -------------------------------------------------------------------------------------------
+    def validate(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ConfigError(msg)
+
+        L = self.num_hidden_layers
+        for key in ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
+                    "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "num_experts", "num_experts_per_token",
+                    "moe_intermediate_size", "routed_expert_hidden_size", "kda_chunk_size", "moe_balance_bins"):
+            v = getattr(self, key)
+            need(isinstance(v, int) and v > 0, f"{key} must be a positive integer, got {v!r}")
+        need(self.qk_rope_head_dim >= 0, f"qk_rope_head_dim must be >= 0, got {self.qk_rope_head_dim}")
+        need(self.num_shared_experts >= 0, f"num_shared_experts must be >= 0, got {self.num_shared_experts}")
+        need(self.q_lora_rank is None or self.q_lora_rank > 0,
+             f"q_lora_rank must be positive or null, got {self.q_lora_rank!r}")
+        need(not self.tie_word_embeddings, "tie_word_embeddings must be false: K3 has an untied lm_head")
+        need(self.hidden_act == "situ", f"hidden_act must be 'situ' (SiTU-GLU), got {self.hidden_act!r}")
+        need(self.moe_router_activation_func == "sigmoid",
+             f"moe_router_activation_func must be 'sigmoid', got {self.moe_router_activation_func!r}")
+        need(self.mla_use_nope, "mla_use_nope must be true: this implementation has no RoPE (K3 is NoPE)")
+        need(self.num_nextn_predict_layers == 0, "num_nextn_predict_layers must be 0: MTP is not implemented")
+        need(self.rms_norm_eps >= 0, f"rms_norm_eps must be >= 0, got {self.rms_norm_eps}")
+
+        lac = self.linear_attn_config
+        kda, mla = lac["kda_layers"], lac["full_attn_layers"]
+        covered = sorted(kda + mla)
+        need(covered == list(range(1, L + 1)),
+             "linear_attn_config.kda_layers + full_attn_layers must list every layer 1..num_hidden_layers exactly "
+             f"once (1-indexed); got kda={kda} full_attn={mla} for num_hidden_layers={L}")
+        need(self.kda_num_heads > 0 and self.kda_head_dim > 0,
+             f"linear_attn_config.num_heads/head_dim must be positive, got {self.kda_num_heads}/{self.kda_head_dim}")
+        need(self.kda_conv_size >= 1,
+             f"linear_attn_config.short_conv_kernel_size must be >= 1, got {self.kda_conv_size}")
+        g = self.kda_gate_lower_bound
+        need(g is None or g < 0, f"linear_attn_config.gate_lower_bound must be negative or null, got {g}")
+
+        need(self.num_key_value_heads == self.num_attention_heads,
+             f"num_key_value_heads ({self.num_key_value_heads}) must equal num_attention_heads "
+             f"({self.num_attention_heads}) for MLA")
+        need(self.num_experts_per_token <= self.num_experts,
+             f"num_experts_per_token ({self.num_experts_per_token}) must be <= num_experts ({self.num_experts})")
+        need(self.num_expert_group >= 1 and self.num_experts % self.num_expert_group == 0,
+             f"num_experts ({self.num_experts}) must be divisible by num_expert_group ({self.num_expert_group})")
+        need(1 <= self.topk_group <= self.num_expert_group,
+             f"topk_group ({self.topk_group}) must be in [1, num_expert_group={self.num_expert_group}]")
+        per_group = self.num_experts // self.num_expert_group
+        need(self.topk_group * per_group >= self.num_experts_per_token,
+             f"topk_group*experts_per_group ({self.topk_group * per_group}) must be >= num_experts_per_token "
+             f"({self.num_experts_per_token}); raise topk_group")
+        need(0 <= self.first_k_dense_replace <= L,
+             f"first_k_dense_replace must be in [0, num_hidden_layers={L}], got {self.first_k_dense_replace}")
+        need(self.moe_layer_freq >= 1, f"moe_layer_freq must be >= 1, got {self.moe_layer_freq}")
+        need(self.attn_res_block_size is None or self.attn_res_block_size >= 0,
+             f"attn_res_block_size must be >= 1 (or 0/null to disable), got {self.attn_res_block_size}")
+        need(self.moe_balance in ("quantile", "sign", "aux", "none"),
+             f"moe_balance must be one of quantile|sign|aux|none, got {self.moe_balance!r}")
+        need(self.moe_balance_estimator in ("exact", "histogram"),
+             f"moe_balance_estimator must be exact|histogram, got {self.moe_balance_estimator!r}")
+        for tok in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            t = getattr(self, tok)
+            need(t is None or 0 <= t < self.vocab_size, f"{tok}={t} is outside the vocabulary [0, {self.vocab_size})")
+
+    # --- presets ----------------------------------------------------------------------------------------------
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> "K3Config":
+        """`tiny` (CPU smoke, ~10M), `small` (one GPU, ~274M), `k3` (the released dims, 2.78T)."""
+        if name not in _PRESETS:
+            raise ConfigError(f"unknown model preset {name!r}; choose one of {sorted(_PRESETS)}")
+        kwargs = copy.deepcopy(_PRESETS[name])
+        lac_over = overrides.pop("linear_attn_config", None)
+        if lac_over:
+            kwargs["linear_attn_config"] = {**kwargs.get("linear_attn_config", {}), **lac_over}
+        if "num_hidden_layers" in overrides and "linear_attn_config" in kwargs and not (lac_over and (
+                "kda_layers" in lac_over or "full_attn_layers" in lac_over)):
+            # a changed depth re-derives the schedule
+            kwargs["linear_attn_config"].pop("kda_layers", None)
+            kwargs["linear_attn_config"].pop("full_attn_layers", None)
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    # --- HF config.json ---------------------------------------------------------------------------------------
+    @classmethod
+    def from_hf_config(cls, path_or_dict: str | os.PathLike | dict[str, Any]) -> "K3Config":
+        """Read a flat or `text_config`-nested HF config (dict, config.json path, or checkpoint dir)."""
+        if isinstance(path_or_dict, dict):
+            raw = path_or_dict
+        else:
+            p = os.fspath(path_or_dict)
+            if os.path.isdir(p):
+                p = os.path.join(p, "config.json")
+            if not os.path.isfile(p):
+                raise ConfigError(f"no config.json at {p}; pass a checkpoint directory or a config.json path")
+            with open(p, encoding="utf-8") as f:
+                raw = json.load(f)
+        if isinstance(raw.get("text_config"), dict):
+            raw = raw["text_config"]
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in raw.items() if k in names}
+        if isinstance(kwargs.get("linear_attn_config"), dict):
+            kwargs["linear_attn_config"] = {k: v for k, v in kwargs["linear_attn_config"].items()
+                                            if k in _LINEAR_ATTN_KEYS}
+        # HF configs use a list for eos sometimes; keep the first
+        for tok in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if isinstance(kwargs.get(tok), list):
+                kwargs[tok] = kwargs[tok][0] if kwargs[tok] else None
+        return cls(**kwargs)
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """Flat HF text config (`model_type: kimi_linear`) including the project-only keys."""
+        d = dataclasses.asdict(self)
+        d["linear_attn_config"] = dict(self.linear_attn_config)
+        d["model_type"] = "kimi_linear"
+        d["architectures"] = ["KimiLinearForCausalLM"]
+        return d
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write config.json into directory `path` (created if needed)."""
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(self.to_hf_config(), f, indent=2, sort_keys=True)
+            f.write("\n")
+
+    def replace(self, **changes: Any) -> "K3Config":
+        return dataclasses.replace(self, **changes)
+
+
+def _k3_released() -> dict[str, Any]:
+    kda, mla = k3_schedule(93)
+    return dict(
+        vocab_size=163_840, hidden_size=7168, num_hidden_layers=93, intermediate_size=33_792,
+        first_k_dense_replace=1, rms_norm_eps=1e-5, bos_token_id=163_584, eos_token_id=163_586,
+        pad_token_id=163_839,
+        linear_attn_config=dict(kda_layers=kda, full_attn_layers=mla, num_heads=96, head_dim=128,
+                                short_conv_kernel_size=4, gate_lower_bound=-5.0, use_full_rank_gate=True),
+        num_attention_heads=96, num_key_value_heads=96, q_lora_rank=1536, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        num_experts=896, num_experts_per_token=16, num_shared_experts=2, moe_intermediate_size=3072,
+        routed_expert_hidden_size=3584, routed_scaling_factor=1.0, attn_res_block_size=12,
+        moe_balance_estimator="histogram",
+    )
+
+
+_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        vocab_size=4096, hidden_size=256, num_hidden_layers=8, intermediate_size=1024,
+        linear_attn_config=dict(num_heads=4, head_dim=64, short_conv_kernel_size=4, gate_lower_bound=-5.0,
+                                use_full_rank_gate=True),
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=128, kv_lora_rank=64,
+        qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+        num_experts=8, num_experts_per_token=2, num_shared_experts=2, moe_intermediate_size=128,
+        routed_expert_hidden_size=128, attn_res_block_size=3,
+    ),
+    "small": dict(
+        vocab_size=32_768, hidden_size=768, num_hidden_layers=16, intermediate_size=3072,
+        linear_attn_config=dict(num_heads=6, head_dim=128, short_conv_kernel_size=4, gate_lower_bound=-5.0,
+                                use_full_rank_gate=True),
+        num_attention_heads=6, num_key_value_heads=6, q_lora_rank=384, kv_lora_rank=256,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        num_experts=32, num_experts_per_token=4, num_shared_experts=2, moe_intermediate_size=256,
+        routed_expert_hidden_size=384, attn_res_block_size=2,
+    ),
+    "k3": _k3_released(),
+}
+
+
+def preset_names() -> list[str]:
+    return sorted(_PRESETS)
+
+
+def _ceil_to(x: int, m: int) -> int:
+    return int(math.ceil(x / m) * m)
+
+
+def a_log_storage_len(num_heads: int) -> int:
+    """Length A_log is stored with in a checkpoint: zero-padded to ceil(H/128)*128 (spec §12)."""
+    return _ceil_to(num_heads, 128)
