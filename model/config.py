@@ -167,7 +167,8 @@ class K3Config:
                     "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "num_experts", "num_experts_per_token",
                     "moe_intermediate_size", "routed_expert_hidden_size", "kda_chunk_size", "moe_balance_bins"):
             v = getattr(self, key)
-            need(isinstance(v, int) and v > 0, f"{key} must be a positive integer, got {v!r}")
+            need(isinstance(v, int) and not isinstance(v, bool) and v > 0,
+                 f"{key} must be a positive integer, got {v!r}")
         need(self.qk_rope_head_dim >= 0, f"qk_rope_head_dim must be >= 0, got {self.qk_rope_head_dim}")
         need(self.num_shared_experts >= 0, f"num_shared_experts must be >= 0, got {self.num_shared_experts}")
         need(self.q_lora_rank is None or self.q_lora_rank > 0,
@@ -178,6 +179,10 @@ class K3Config:
              f"moe_router_activation_func must be 'sigmoid', got {self.moe_router_activation_func!r}")
         need(self.mla_use_nope, "mla_use_nope must be true: this implementation has no RoPE (K3 is NoPE)")
         need(self.num_nextn_predict_layers == 0, "num_nextn_predict_layers must be 0: MTP is not implemented")
+        for key in ("initializer_range", "routed_scaling_factor"):
+            need(getattr(self, key) > 0, f"{key} must be > 0, got {getattr(self, key)}")
+        for key in ("moe_sign_update_rate", "moe_aux_loss_coef"):
+            need(getattr(self, key) >= 0, f"{key} must be >= 0, got {getattr(self, key)}")
         need(self.rms_norm_eps >= 0, f"rms_norm_eps must be >= 0, got {self.rms_norm_eps}")
 
         lac = self.linear_attn_config
@@ -280,6 +285,10 @@ class K3Config:
             f.write("\n")
 
     def replace(self, **changes: Any) -> "K3Config":
+        """A copy with `changes`; a new depth without explicit layer lists re-derives the 3:1 schedule."""
+        if "num_hidden_layers" in changes and "linear_attn_config" not in changes:
+            lac = {k: v for k, v in self.linear_attn_config.items() if k not in ("kda_layers", "full_attn_layers")}
+            changes["linear_attn_config"] = lac
         return dataclasses.replace(self, **changes)
 
 
