@@ -1,0 +1,31 @@
+"""Streaming data pipeline: sources -> weighted mix -> windowed shuffle -> tokenize -> pack -> global batches.
+
+Public API (see data/README.md for the semantics: layout invariance, resume, exhaustion, bad input):
+- `DataConfig`, `SourceConfig`, `TokenizerConfig`, `DataError`
+- `Tokenizer`, `train_tokenizer(cfg, out_path)`, `prepare_tokenizer(cfg)`
+- `GlobalBatchLoader(cfg, tokenizer, seq_len, global_batch_size, micro_batch_size, rank, world_size, seed)`
+- `default_corpus_path()` (the embedded standard-library corpus)
+Submodules are imported lazily, so `python -m data.tokenizer` runs cleanly and `from data import DataConfig` is cheap.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from data.config import DataConfig, DataError, SourceConfig, TokenizerConfig
+
+_LAZY = {
+    "Tokenizer": "data.tokenizer",
+    "train_tokenizer": "data.tokenizer",
+    "prepare_tokenizer": "data.tokenizer",
+    "GlobalBatchLoader": "data.loader",
+    "default_corpus_path": "data.corpus",
+}
+
+__all__ = ["DataConfig", "DataError", "SourceConfig", "TokenizerConfig", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'data' has no attribute {name!r}")

@@ -11,6 +11,9 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Tiny tensors: one thread avoids oversubscribing the 2-core CI machine (subprocess ranks inherit it too).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_K3 = REPO_ROOT.parent / "shared" / "k3"

@@ -1,0 +1,175 @@
+"""Streaming text sources: `datasets.load_dataset(..., streaming=True)` + our own record validation.
+
+One `SourceStream` per configured source yields valid documents (str) for one epoch at a time and exposes its
+exact position as a small JSON-able dict (epoch, the IterableDataset's own `state_dict()`, counters), taken and
+restored between records. JSON Lines and plain text are read through datasets' `text` builder as latin-1 (every
+byte sequence decodes, lines split on b"\\n" only) and re-decoded as UTF-8 here, so one malformed line, one invalid
+UTF-8 byte or one missing field is skipped and counted instead of aborting the whole file.
+"""
+from __future__ import annotations
+
+import copy
+import glob
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from data.config import DataError, SourceConfig, file_digest
+
+SKIP_REASONS = ("invalid_utf8", "malformed_json", "missing_field", "not_text", "empty")
+_EXTENSIONS = {
+    "jsonl": (".jsonl", ".json", ".jsonl.gz", ".json.gz"),
+    "json": (".jsonl", ".json", ".jsonl.gz", ".json.gz"),
+    "text": (".txt", ".md", ".text", ".txt.gz"),
+    "parquet": (".parquet",),
+}
+_MIN_RECORDS_FOR_BAD_CHECK = 100
+
+
+def resolve_files(src: SourceConfig, index: int) -> list[str]:
+    """Local files of a source, sorted: a file, a directory (recursive, by extension) or a glob."""
+    if src.type == "embedded":
+        from data.corpus import default_corpus_path
+
+        return [str(default_corpus_path())]
+    if src.type == "hub":
+        return []
+    path = os.path.expanduser(src.path)
+    if glob.has_magic(path):
+        files = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
+        if not files:
+            raise DataError(f"data.sources[{index}].path glob {src.path!r} matches no files: fix the pattern")
+        return files
+    if os.path.isdir(path):
+        exts = _EXTENSIONS[src.type]
+        files = sorted(str(p) for p in Path(path).rglob("*") if p.is_file() and str(p).endswith(exts))
+        if not files:
+            raise DataError(f"data.sources[{index}].path directory {src.path!r} has no {'/'.join(exts)} files")
+        return files
+    if os.path.isfile(path):
+        return [path]
+    raise DataError(f"data.sources[{index}].path {src.path!r} does not exist (for a hub dataset set type: hub)")
+
+
+def source_identity(src: SourceConfig, files: list[str]) -> dict:
+    """What the fingerprint records about a source's data: file names + sizes (content hash for embedded)."""
+    if src.type == "embedded":
+        return {"embedded_sha256": file_digest(files[0])}
+    if src.type == "hub":
+        return {"hub": src.path, "config": src.hub_config, "split": src.split}
+    base = os.path.commonpath([os.path.dirname(f) for f in files]) if files else ""
+    return {"files": [[os.path.relpath(f, base), os.path.getsize(f)] for f in files]}
+
+
+class SourceStream:
+    """Valid documents of one source, epoch by epoch, with an exact, restorable position."""
+
+    def __init__(self, src: SourceConfig, index: int, max_bad_fraction: float):
+        self.src, self.index, self.max_bad_fraction = src, index, max_bad_fraction
+        self.files = resolve_files(src, index)
+        self.name = f"sources[{index}] {src.type}:{src.path or 'stdlib'}"
+        self.epoch = 0
+        self.read = 0  # records read in this epoch (valid + skipped)
+        self.valid = 0  # valid documents in this epoch
+        self.total_read = 0
+        self.skipped = {r: 0 for r in SKIP_REASONS}
+        self._ds = None
+        self._it: Optional[Iterator[dict]] = None
+        self._ds_state: Optional[dict] = None  # position to resume from before the first next()
+
+    # -- position -----------------------------------------------------------------------------------------------
+    def state(self) -> dict:
+        ds_state = copy.deepcopy(self._ds.state_dict()) if self._it is not None else self._ds_state
+        return {"epoch": self.epoch, "read": self.read, "valid": self.valid, "total_read": self.total_read,
+                "skipped": dict(self.skipped), "ds": ds_state}
+
+    def load_state(self, st: dict) -> None:
+        self.epoch, self.read, self.valid, self.total_read = st["epoch"], st["read"], st["valid"], st["total_read"]
+        self.skipped = {r: int(st["skipped"].get(r, 0)) for r in SKIP_REASONS}
+        self._ds_state, self._it = st["ds"], None
+
+    # -- reading ------------------------------------------------------------------------------------------------
+    def _open(self):
+        import datasets
+
+        datasets.disable_progress_bars()
+        t = self.src.type
+        try:
+            if t in ("jsonl", "json", "embedded"):
+                ds = datasets.load_dataset("text", data_files=self.files, split="train", streaming=True,
+                                           encoding="latin-1")
+            elif t == "text":
+                ds = datasets.load_dataset("text", data_files=self.files, split="train", streaming=True,
+                                           encoding="latin-1", sample_by=self.src.text_sample_by)
+            elif t == "parquet":
+                ds = datasets.load_dataset("parquet", data_files=self.files, split="train", streaming=True)
+            else:  # hub
+                ds = datasets.load_dataset(self.src.path, self.src.hub_config, split=self.src.split, streaming=True)
+        except Exception as e:  # noqa: BLE001 - re-raised as one line naming the source
+            first = str(e).splitlines()[0] if str(e) else ""
+            raise DataError(f"cannot open data.{self.name}: {type(e).__name__}: {first}") from e
+        return ds
+
+    def _start(self) -> None:
+        self._ds = self._open()
+        if self._ds_state is not None:
+            self._ds.load_state_dict(self._ds_state)
+        self._it = iter(self._ds)
+
+    def next_doc(self) -> Optional[str]:
+        """The next valid document of the current epoch, or None at the end of the epoch (then `new_epoch()`)."""
+        if self._it is None:
+            self._start()
+        for record in self._it:
+            self.read += 1
+            self.total_read += 1
+            text, reason = self._parse(record)
+            if reason is None:
+                self.valid += 1
+                return text
+            self.skipped[reason] += 1
+            if self.total_read >= _MIN_RECORDS_FOR_BAD_CHECK:
+                self._check_bad_fraction()
+        if self.total_read:
+            self._check_bad_fraction()
+        return None
+
+    def new_epoch(self) -> None:
+        if self.valid == 0:
+            raise DataError(f"data.{self.name} has no usable documents ({self.read} records read, skipped: "
+                            f"{ {k: v for k, v in self.skipped.items() if v} }): fix the source or its text_field")
+        self.epoch, self.read, self.valid = self.epoch + 1, 0, 0
+        self._ds_state, self._it = None, None
+
+    def _check_bad_fraction(self) -> None:
+        bad = sum(self.skipped.values())
+        if bad > self.max_bad_fraction * self.total_read:
+            raise DataError(f"data.{self.name}: {bad} of {self.total_read} records skipped "
+                            f"({ {k: v for k, v in self.skipped.items() if v} }) > max_bad_fraction="
+                            f"{self.max_bad_fraction}: fix the data or raise data.max_bad_fraction")
+
+    def _parse(self, record: dict) -> tuple[Any, Optional[str]]:
+        t = self.src.type
+        if t in ("jsonl", "json", "embedded", "text"):
+            try:
+                line = record["text"].encode("latin-1").decode("utf-8")
+            except UnicodeDecodeError:
+                return None, "invalid_utf8"
+            if t == "text":
+                return (line, None) if line.strip() else (None, "empty")
+            if not line.strip():
+                return None, "empty"
+            try:
+                record = json.loads(line)
+            except ValueError:
+                return None, "malformed_json"
+            if not isinstance(record, dict):
+                return None, "malformed_json"
+        field = "text" if t == "embedded" else self.src.text_field
+        if field not in record or record[field] is None:
+            return None, "missing_field"
+        text = record[field]
+        if not isinstance(text, str):
+            return None, "not_text"
+        return (text, None) if text.strip() else (None, "empty")

@@ -1,0 +1,264 @@
+"""Hugging Face checkpoint IO: `config.json` + safetensors in the released key layout (HF_KEYS.md).
+
+The module tree already uses the HF names, so the mapping is small:
+- prefixes: save writes the text-only spelling (`model.*`, `lm_head.weight`); load also accepts the released
+  `language_model.model.*` / `language_model.lm_head.weight` and ignores `vision_tower.*` / `mm_projector.*`;
+- routed experts: HF has one tensor per expert (`experts.{j}.w1.weight` [Im, l]); the model stacks them
+  (`experts.w1` [E, Im, l]). Released experts are MXFP4 (`weight_packed` + `weight_scale`), dequantised on load;
+- `A_log`: stored zero-padded to ceil(H/128)*128 (spec §12); the model holds [H]; load uses the first H.
+Loading reads safetensors only (never pickles) and checks the key set: unknown or missing keys raise one error
+listing them unless `strict=False`. With `dtype`, floating tensors are cast except the spec §12 fp32 ones.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import defaultdict
+from typing import Any, Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from model.config import K3Config, a_log_storage_len
+from model.k3 import K3ForCausalLM
+from model.mxfp4 import dequantize_mxfp4
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024 ** 3
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+IGNORED_PREFIXES = ("vision_tower.", "mm_projector.")
+# Kept in fp32 whatever dtype is requested (released as F32; tiny and numerically sensitive).
+FP32_SUFFIXES = ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", "A_log", "dt_bias", "o_norm.weight",
+                 "gate.e_score_correction_bias")
+_EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\."
+                        r"(weight|weight_packed|weight_scale)$")
+_STACKED_RE = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(w[123])$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the model; the message lists the offending keys."""
+
+
+def _keeps_fp32(name: str) -> bool:
+    return name.endswith(FP32_SUFFIXES)
+
+
+def target_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """`dtype`, except that the spec §12 fp32 tensors are never narrowed below fp32 (fp64 widens them too)."""
+    if _keeps_fp32(name) and dtype in (torch.bfloat16, torch.float16):
+        return torch.float32
+    return dtype
+
+
+def _listing(keys: list[str], limit: int = 20) -> str:
+    keys = sorted(keys)
+    more = f" ... (+{len(keys) - limit} more)" if len(keys) > limit else ""
+    return ", ".join(keys[:limit]) + more
+
+
+# --- save ---------------------------------------------------------------------------------------------------------
+
+
+def hf_tensors(model: K3ForCausalLM) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's state as (HF key, CPU tensor) pairs in the text-only spelling, experts split, A_log padded."""
+    for name, t in model.state_dict().items():
+        t = t.detach()
+        m = _STACKED_RE.match(name)
+        if m:
+            for j in range(t.shape[0]):
+                yield f"{m.group(1)}.{j}.{m.group(2)}.weight", t[j].to("cpu", copy=True).contiguous()
+        elif name.endswith("self_attn.A_log"):
+            padded = torch.zeros(a_log_storage_len(t.shape[0]), dtype=t.dtype)
+            padded[: t.shape[0]] = t.cpu()
+            yield name, padded
+        else:
+            yield name, t.to("cpu", copy=True).contiguous()
+
+
+def save_hf_checkpoint(model: K3ForCausalLM, path: str | os.PathLike,
+                       max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
+    """Write `config.json` and safetensors into directory `path`: one `model.safetensors`, or shards
+    `model-0000i-of-0000n.safetensors` plus `model.safetensors.index.json` when above `max_shard_bytes`.
+    Returns the written tensor file names."""
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    model.config.save(path)
+    # plan shards from sizes first (no copies), then materialise one shard at a time
+    sizes: list[tuple[str, int]] = []
+    for name, t in model.state_dict().items():
+        m = _STACKED_RE.match(name)
+        if m:
+            per = t[0].numel() * t.element_size()
+            sizes += [(f"{m.group(1)}.{j}.{m.group(2)}.weight", per) for j in range(t.shape[0])]
+        elif name.endswith("self_attn.A_log"):
+            sizes.append((name, a_log_storage_len(t.shape[0]) * t.element_size()))
+        else:
+            sizes.append((name, t.numel() * t.element_size()))
+    shard_of: dict[str, int] = {}
+    shard, used = 0, 0
+    for key, n in sizes:
+        if used and used + n > max_shard_bytes:
+            shard, used = shard + 1, 0
+        shard_of[key] = shard
+        used += n
+    n_shards = shard + 1
+    names = [SINGLE_FILE] if n_shards == 1 else [f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors"
+                                                 for i in range(n_shards)]
+    for stale in (SINGLE_FILE, INDEX_FILE):  # do not leave a mix of layouts behind
+        if os.path.exists(os.path.join(path, stale)) and stale not in names:
+            os.remove(os.path.join(path, stale))
+    current, buf = 0, {}
+    for key, t in hf_tensors(model):
+        if shard_of[key] != current:
+            save_file(buf, os.path.join(path, names[current]), metadata={"format": "pt"})
+            current, buf = shard_of[key], {}
+        buf[key] = t
+    save_file(buf, os.path.join(path, names[current]), metadata={"format": "pt"})
+    if n_shards > 1:
+        index = {"metadata": {"total_size": sum(n for _, n in sizes)},
+                 "weight_map": {k: names[s] for k, s in shard_of.items()}}
+        with open(os.path.join(path, INDEX_FILE), "w", encoding="utf-8") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+    return names
+
+
+# --- load ---------------------------------------------------------------------------------------------------------
+
+
+def _tensor_files(path: str) -> list[str]:
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        return [os.path.join(path, n) for n in sorted(set(weight_map.values()))]
+    single = os.path.join(path, SINGLE_FILE)
+    if os.path.isfile(single):
+        return [single]
+    raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}; pass a directory written by "
+                          "save_hf_checkpoint or a HF K3 checkpoint (safetensors only, no .bin)")
+
+
+def _canonical(key: str) -> str | None:
+    """Text-only spelling of a released key, or None for vision keys."""
+    if key.startswith(IGNORED_PREFIXES):
+        return None
+    if key.startswith("language_model."):
+        key = key[len("language_model."):]
+    return key
+
+
+def read_hf_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """All text tensors of a checkpoint directory, keys in the text-only spelling (vision keys dropped)."""
+    out: dict[str, torch.Tensor] = {}
+    for file in _tensor_files(os.fspath(path)):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for key in f.keys():
+                name = _canonical(key)
+                if name is not None:
+                    out[name] = f.get_tensor(key)
+    return out
+
+
+def to_model_state(hf_state: dict[str, Any], model_state: dict[str, torch.Tensor],
+                   dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
+    """Convert HF tensors to the model's state-dict layout. Returns (state, unknown HF keys, missing model keys).
+
+    `model_state` only provides names/shapes (a meta-device state dict is fine)."""
+    state: dict[str, torch.Tensor] = {}
+    unknown: list[str] = []
+    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = defaultdict(dict)
+    mx: dict[tuple[str, int, str], dict[str, torch.Tensor]] = defaultdict(dict)
+    for key, t in hf_state.items():
+        m = _EXPERT_RE.match(key)
+        if m:
+            prefix, j, w, kind = m.group(1), int(m.group(2)), m.group(3), m.group(4)
+            if kind == "weight":
+                experts[(prefix, w)][j] = t
+            else:
+                mx[(prefix, j, w)][kind] = t
+            continue
+        if key not in model_state:
+            unknown.append(key)
+            continue
+        if key.endswith("self_attn.A_log"):
+            H = model_state[key].shape[0]
+            if t.dim() != 1 or t.shape[0] < H:
+                raise CheckpointError(f"{key} has shape {tuple(t.shape)}; expected [>= {H}] (num_heads, padded)")
+            t = t[:H]
+        state[key] = t
+    for (prefix, j, w), parts in mx.items():
+        if set(parts) != {"weight_packed", "weight_scale"}:
+            unknown.append(f"{prefix}.{j}.{w}.{next(iter(parts))} (its MXFP4 partner is missing)")
+            continue
+        ref = model_state.get(f"{prefix.rsplit('.', 1)[0]}.routed_expert_down_proj.weight")
+        deq_dtype = dtype or (ref.dtype if ref is not None and ref.dtype.is_floating_point else torch.float32)
+        experts[(prefix, w)][j] = dequantize_mxfp4(parts["weight_packed"], parts["weight_scale"], deq_dtype)
+    for (prefix, w), per in experts.items():
+        name = f"{prefix}.{w}"
+        if name not in model_state:
+            unknown += [f"{prefix}.{j}.{w}.weight" for j in per]
+            continue
+        E = model_state[name].shape[0]
+        extra = [j for j in per if j >= E]
+        unknown += [f"{prefix}.{j}.{w}.weight" for j in extra]
+        if any(j not in per for j in range(E)):
+            continue  # reported as missing below
+        state[name] = torch.stack([per[j].to(per[0].dtype) for j in range(E)])
+    missing = [k for k in model_state if k not in state]
+    for key, t in state.items():
+        want = tuple(model_state[key].shape)
+        if tuple(t.shape) != want:
+            raise CheckpointError(f"{key} has shape {tuple(t.shape)} but the config expects {want}; "
+                                  "is config.json from the same checkpoint?")
+        if dtype is not None and t.is_floating_point():
+            state[key] = t.to(target_dtype(key, dtype))
+    return state, unknown, missing
+
+
+def load_hf_checkpoint(path: str | os.PathLike, dtype: torch.dtype | None = None,
+                       device: str | torch.device | None = None, strict: bool = True,
+                       config_overrides: dict[str, Any] | None = None) -> K3ForCausalLM:
+    """Build `K3ForCausalLM` from a HF checkpoint directory (config.json + safetensors, flat or `text_config`).
+
+    `dtype=None` keeps the stored dtypes; `config_overrides` replace project-only settings (e.g. kda_chunk_size).
+    With `strict=False`, unknown keys are ignored and missing ones keep their fresh initialisation."""
+    path = os.fspath(path)
+    config = K3Config.from_hf_config(path)
+    if config_overrides:
+        config = config.replace(**config_overrides)
+    with torch.device("meta"):
+        meta = K3ForCausalLM(config)
+    state, unknown, missing = to_model_state(read_hf_state(path), meta.state_dict(), dtype)
+    if strict and (unknown or missing):
+        raise CheckpointError(f"checkpoint {path} does not match the config: unknown keys [{_listing(unknown)}]; "
+                              f"missing keys [{_listing(missing)}] (pass strict=False to load anyway)")
+    if not missing:
+        meta.load_state_dict(state, strict=True, assign=True)
+        leftovers = [n for n, t in list(meta.named_parameters()) + list(meta.named_buffers()) if t.is_meta]
+        model = meta if not leftovers else None
+    else:
+        model = None
+    if model is None:  # something was not in the checkpoint: start from a real initialisation
+        model = K3ForCausalLM(config)
+        if dtype is not None:
+            _cast_keep_fp32(model, dtype)
+        model.load_state_dict(state, strict=False)
+    if device is not None:
+        model = model.to(device)
+    return model
+
+
+def _cast_keep_fp32(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast floating parameters/buffers to `dtype`; the spec §12 fp32 tensors stay >= fp32."""
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.is_floating_point():
+            t.data = t.data.to(target_dtype(name, dtype))
+
+
+def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """`model.to(dtype)` that keeps the spec §12 fp32 tensors (conv weights, A_log, dt_bias, o_norm, router bias)
+    in fp32; use it instead of `.to(torch.bfloat16)`."""
+    _cast_keep_fp32(model, dtype)
+    return model

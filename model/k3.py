@@ -1,0 +1,327 @@
+"""The K3 language model: decoder layers (KDA | gated MLA mixer, dense | latent-MoE FFN) joined by Block AttnRes.
+
+Module paths are the HF text-only key spelling (HF_KEYS.md), so `state_dict()` is the checkpoint up to two
+documented exceptions handled in `model/hf.py`: routed experts are stacked tensors (`experts.w1 [E, Im, l]`) and
+`A_log` is unpadded `[H]`.
+
+Residual stream (spec §2, §6): with `attn_res_block_size` set, every sublayer input is a softmax-over-depth mix
+of the embedding, the completed block sums and the running partial sum; with it 0/None, the plain PreNorm stack
+`h = h + mixer(norm(h)); h = h + ffn(norm(h))`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from model.attn_res import attn_res_mix
+from model.config import K3Config
+from model.ffn import SiTUGLU
+from model.kda import KDA, KDACache
+from model.mla import GatedMLA, MLACache
+from model.moe.layer import LatentMoE
+from model.norm import RMSNorm, upcast
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class K3Output:
+    logits: torch.Tensor  # [B, T, V] in the model dtype
+    loss: torch.Tensor | None = None  # mean next-token CE over counted targets (+ aux_loss when moe_balance == aux)
+    router_stats: list = field(default_factory=list)  # one RouterStats per MoE layer, in layer order
+    aux_loss: torch.Tensor | None = None  # sum of the MoE layers' auxiliary losses (moe_balance == aux), else None
+    num_loss_tokens: torch.Tensor | None = None  # how many targets the CE averaged over (int64 scalar)
+
+
+@dataclass
+class K3Cache:
+    """Decode state of the whole model: one KDACache / MLACache per layer, mutated in place by forward."""
+
+    layers: list
+    seen_tokens: int = 0
+
+    @classmethod
+    def empty(cls, config: K3Config) -> "K3Cache":
+        return cls([KDACache() if t == "kda" else MLACache() for t in config.layer_types])
+
+
+# --- loss -------------------------------------------------------------------------------------------------------
+
+
+def _ce_chunk_rows(vocab_size: int) -> int:
+    """Rows per CE chunk so one fp32 chunk of logits stays around 64 Mi elements (256 MiB)."""
+    return max(1, (1 << 26) // vocab_size)
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Sum of CE over rows with targets != -100, in >= fp32, holding at most one fp32 chunk of logits at a time.
+
+    Saves only the logits (whatever dtype), the targets and the per-row logsumexp; the backward recomputes the
+    softmax chunk by chunk, so no full fp32 copy of the logits is ever kept besides the gradient itself.
+    """
+
+    @staticmethod
+    def forward(ctx, logits_ND: torch.Tensor, targets_N: torch.Tensor, rows: int) -> torch.Tensor:
+        N = logits_ND.shape[0]
+        acc_dtype = upcast(logits_ND[:0]).dtype
+        lse_N = torch.empty(N, dtype=acc_dtype, device=logits_ND.device)
+        total = torch.zeros((), dtype=acc_dtype, device=logits_ND.device)
+        for s in range(0, N, rows):
+            l_CD = upcast(logits_ND[s:s + rows])
+            t_C = targets_N[s:s + rows]
+            lse_C = torch.logsumexp(l_CD, dim=-1)
+            tgt_C = l_CD.gather(-1, t_C.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+            total = total + torch.where(t_C != IGNORE_INDEX, lse_C - tgt_C, 0.0).sum()
+            lse_N[s:s + rows] = lse_C
+        ctx.save_for_backward(logits_ND, targets_N, lse_N)
+        ctx.rows = rows
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        logits_ND, targets_N, lse_N = ctx.saved_tensors
+        grad_ND = torch.empty_like(logits_ND)
+        rows = ctx.rows
+        for s in range(0, logits_ND.shape[0], rows):
+            t_C = targets_N[s:s + rows]
+            p_CD = torch.exp(upcast(logits_ND[s:s + rows]) - lse_N[s:s + rows].unsqueeze(-1))  # softmax
+            valid_C = t_C != IGNORE_INDEX
+            p_CD.scatter_add_(-1, t_C.clamp_min(0).unsqueeze(-1),
+                              -valid_C.to(p_CD.dtype).unsqueeze(-1))  # minus one-hot at the target
+            p_CD.mul_((valid_C.to(p_CD.dtype) * grad_out).unsqueeze(-1))
+            grad_ND[s:s + rows] = p_CD.to(grad_ND.dtype)
+        return grad_ND, None, None
+
+
+def shift_targets(labels_BT: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """HF convention: position t predicts labels[t + 1]; the last position and, with packed documents, the last
+    position of every document (whose next token starts another document) get -100."""
+    targets = torch.full_like(labels_BT, IGNORE_INDEX)
+    targets[:, :-1] = labels_BT[:, 1:]
+    if cu_seqlens is not None:
+        ends = cu_seqlens[1:].to(torch.long) - 1
+        targets[:, ends[ends >= 0]] = IGNORE_INDEX
+    return targets
+
+
+def causal_lm_loss(logits_BTV: torch.Tensor, labels_BT: torch.Tensor, cu_seqlens: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean next-token CE in >= fp32, number of counted targets)."""
+    targets_N = shift_targets(labels_BT, cu_seqlens).reshape(-1)
+    logits_NV = logits_BTV.reshape(-1, logits_BTV.shape[-1])
+    total = _ChunkedCrossEntropy.apply(logits_NV, targets_N, _ce_chunk_rows(logits_NV.shape[-1]))
+    count = (targets_N != IGNORE_INDEX).sum()
+    return total / count.clamp_min(1), count
+
+
+# --- layers -----------------------------------------------------------------------------------------------------
+
+
+class K3DecoderLayer(nn.Module):
+    """One decoder layer: `input_layernorm -> self_attn (KDA | GatedMLA)`, `post_attention_layernorm -> mlp (dense
+    SiTU-GLU) | block_sparse_moe (LatentMoE)`, plus the layer's two AttnRes pseudo-queries and key norms."""
+
+    def __init__(self, config: K3Config, layer_idx: int) -> None:
+        super().__init__()
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.layer_idx = layer_idx
+        self.layer_type = config.layer_types[layer_idx]
+        self.attn_res_block_size = config.attn_res_block_size or 0
+        self.is_moe = config.is_moe_layer(layer_idx)
+        self.gradient_checkpointing = False
+
+        self.input_layernorm = RMSNorm(d, eps)
+        self.self_attn = KDA(config, layer_idx) if self.layer_type == "kda" else GatedMLA(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(d, eps)
+        if self.is_moe:
+            self.block_sparse_moe = LatentMoE(config, layer_idx)
+        else:
+            self.mlp = SiTUGLU(d, config.intermediate_size, config)
+        if self.attn_res_block_size:
+            # pseudo-queries as Linear(d, 1).weight [1, d] and key norms, under their HF names
+            self.self_attention_res_proj = nn.Linear(d, 1, bias=False)
+            self.self_attention_res_norm = RMSNorm(d, eps)
+            self.mlp_res_proj = nn.Linear(d, 1, bias=False)
+            self.mlp_res_norm = RMSNorm(d, eps)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Own parameters only (the mixer/FFN init themselves): norms 1, pseudo-queries 0 (uniform mixing)."""
+        for norm in (self.input_layernorm, self.post_attention_layernorm):
+            norm.reset_parameters()
+        if self.attn_res_block_size:
+            nn.init.zeros_(self.self_attention_res_proj.weight)
+            nn.init.zeros_(self.mlp_res_proj.weight)
+            self.self_attention_res_norm.reset_parameters()
+            self.mlp_res_norm.reset_parameters()
+
+    def _ffn(self, x_BTD: torch.Tensor):
+        if self.is_moe:
+            return self.block_sparse_moe(x_BTD)
+        return self.mlp(x_BTD), None
+
+    def _mix(self, candidates: list[torch.Tensor], proj: nn.Linear, norm: RMSNorm) -> torch.Tensor:
+        return attn_res_mix(candidates, proj.weight[0], norm.weight, norm.eps)
+
+    def _forward(self, blocks: list[torch.Tensor], partial: torch.Tensor, cu_seqlens: torch.Tensor | None,
+                 cache) -> tuple[list[torch.Tensor], torch.Tensor, object]:
+        if not self.attn_res_block_size:  # plain PreNorm residual stack; `partial` is the residual stream h
+            h = partial + self.self_attn(self.input_layernorm(partial), cu_seqlens=cu_seqlens, cache=cache)
+            y, stats = self._ffn(self.post_attention_layernorm(h))
+            return blocks, h + y, stats
+        # Block AttnRes, spec §6 (never mutates the caller's list: recomputation under checkpointing re-runs this)
+        h_in = partial if not blocks else self._mix(
+            blocks + [partial], self.self_attention_res_proj, self.self_attention_res_norm)
+        if self.layer_idx % self.attn_res_block_size == 0:  # close the block (layer 0 closes b_0 = embedding)
+            blocks, partial = blocks + [partial], None
+        a = self.self_attn(self.input_layernorm(h_in), cu_seqlens=cu_seqlens, cache=cache)
+        partial = a if partial is None else partial + a
+        m_in = self._mix(blocks + [partial], self.mlp_res_proj, self.mlp_res_norm)
+        y, stats = self._ffn(self.post_attention_layernorm(m_in))
+        return blocks, partial + y, stats
+
+    def forward(self, blocks: list[torch.Tensor], partial: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                cache=None) -> tuple[list[torch.Tensor], torch.Tensor, object]:
+        """(completed blocks, partial sum) -> updated (blocks, partial, RouterStats | None)."""
+        if self.gradient_checkpointing and self.training and cache is None and torch.is_grad_enabled():
+            return checkpoint(self._forward_recomputable(), blocks, partial, cu_seqlens, None, use_reentrant=False)
+        return self._forward(blocks, partial, cu_seqlens, cache)
+
+    def _forward_recomputable(self):
+        """`_forward` for torch.utils.checkpoint: the recomputation in backward must not accumulate balancing
+        statistics a second time, so the MoE balancer is paused for every call after the first."""
+        calls = [0]
+
+        def run(blocks, partial, cu_seqlens, cache):
+            calls[0] += 1
+            if calls[0] == 1 or not self.is_moe:
+                return self._forward(blocks, partial, cu_seqlens, cache)
+            with self.block_sparse_moe.balancer.paused():
+                return self._forward(blocks, partial, cu_seqlens, cache)
+
+        return run
+
+
+class K3Model(nn.Module):
+    """Embedding, decoder layers, output AttnRes and final norm; returns the final normed hidden state."""
+
+    def __init__(self, config: K3Config) -> None:
+        super().__init__()
+        d = config.hidden_size
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, d)
+        self.layers = nn.ModuleList(K3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(d, config.rms_norm_eps)
+        if config.attn_res_enabled:
+            self.output_attn_res_proj = nn.Linear(d, 1, bias=False)
+            self.output_attn_res_norm = RMSNorm(d, config.rms_norm_eps)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Embedding N(0, initializer_range) with the padding row zeroed (spec §7); output query 0, norms 1."""
+        nn.init.normal_(self.embed_tokens.weight, mean=0.0, std=self.config.initializer_range)
+        pad = self.config.pad_token_id
+        if pad is not None:
+            with torch.no_grad():
+                self.embed_tokens.weight[pad].zero_()
+        self.norm.reset_parameters()
+        if self.config.attn_res_enabled:
+            nn.init.zeros_(self.output_attn_res_proj.weight)
+            self.output_attn_res_norm.reset_parameters()
+
+    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                cache: K3Cache | None = None) -> tuple[torch.Tensor, list]:
+        blocks: list[torch.Tensor] = []
+        partial = self.embed_tokens(input_ids)  # [B, T, D]
+        stats = []
+        for i, layer in enumerate(self.layers):
+            blocks, partial, s = layer(blocks, partial, cu_seqlens, None if cache is None else cache.layers[i])
+            if s is not None:
+                stats.append(s)
+        if self.config.attn_res_enabled:
+            partial = attn_res_mix(blocks + [partial], self.output_attn_res_proj.weight[0],
+                                   self.output_attn_res_norm.weight, self.output_attn_res_norm.eps)
+        return self.norm(partial), stats
+
+
+class K3ForCausalLM(nn.Module):
+    """K3 text LM: `model` (K3Model) + untied `lm_head`. See the module docstring for the checkpoint mapping."""
+
+    def __init__(self, config: K3Config) -> None:
+        super().__init__()
+        self.config = config
+        self.model = K3Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.lm_head.weight, mean=0.0, std=self.config.initializer_range)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Re-initialise every parameter per spec (e.g. after `to_empty` from the meta device): each module's
+        `reset_parameters`, children before parents so a module's own spec init wins over PyTorch defaults."""
+        for m in reversed(list(self.modules())):
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+
+    # --- API used by training ----------------------------------------------------------------------------------
+    def moe_layers(self) -> list[nn.Module]:
+        return [layer.block_sparse_moe for layer in self.model.layers if layer.is_moe]
+
+    @torch.no_grad()
+    def update_balance(self, reducer=None) -> dict:
+        """Apply the balancing statistics accumulated since the last call (once per optimizer step).
+
+        Returns `{"layer{i}/<metric>": value}` merged over the MoE layers."""
+        metrics: dict = {}
+        for layer in self.model.layers:
+            if layer.is_moe:
+                for k, v in layer.block_sparse_moe.balancer.update(reducer).items():
+                    metrics[f"layer{layer.layer_idx}/{k}"] = v
+        return metrics
+
+    def set_gradient_checkpointing(self, enabled: bool = True) -> None:
+        for layer in self.model.layers:
+            layer.gradient_checkpointing = enabled
+
+    def new_cache(self) -> K3Cache:
+        return K3Cache.empty(self.config)
+
+    # --- forward -----------------------------------------------------------------------------------------------
+    def _check_inputs(self, input_ids, labels, cu_seqlens, cache) -> None:
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"input_ids must be an int64 tensor [batch, seq], got {input_ids.dtype} "
+                             f"{tuple(input_ids.shape)}; add a batch dim with input_ids[None]")
+        if labels is not None and labels.shape != input_ids.shape:
+            raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids "
+                             f"{tuple(input_ids.shape)} (HF convention: the model shifts them)")
+        if cu_seqlens is not None:
+            if input_ids.shape[0] != 1:
+                raise ValueError(f"cu_seqlens needs batch size 1 (packed documents), got batch {input_ids.shape[0]}; "
+                                 "flatten the batch into one row")
+            if cu_seqlens.dim() != 1 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != input_ids.shape[1]:
+                raise ValueError(f"cu_seqlens must be 1-D [0, ..., T={input_ids.shape[1]}], got "
+                                 f"{cu_seqlens.tolist()}")
+            if cache is not None:
+                raise ValueError("cu_seqlens and cache cannot be combined; decode one document at a time")
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None, cache: K3Cache | None = None) -> K3Output:
+        self._check_inputs(input_ids, labels, cu_seqlens, cache)
+        hidden_BTD, stats = self.model(input_ids, cu_seqlens=cu_seqlens, cache=cache)
+        if cache is not None:
+            cache.seen_tokens += input_ids.shape[1]
+        logits_BTV = self.lm_head(hidden_BTD)
+        aux = [s.aux_loss for s in stats if getattr(s, "aux_loss", None) is not None]
+        aux_loss = torch.stack([upcast(a) for a in aux]).sum() if aux else None
+        loss = count = None
+        if labels is not None:
+            loss, count = causal_lm_loss(logits_BTV, labels, cu_seqlens)
+            if aux_loss is not None and self.config.moe_balance == "aux":
+                loss = loss + aux_loss
+        return K3Output(logits=logits_BTV, loss=loss, router_stats=stats, aux_loss=aux_loss,
+                        num_loss_tokens=count)

@@ -1,0 +1,200 @@
+"""The KDA mixer layer (spec §3): projections, causal short conv + SiLU, L2-normed q/k, bounded per-channel decay,
+delta-rule write strength beta, gated per-head RMSNorm output.
+
+Attribute names are the HF checkpoint names (HF_KEYS.md) so checkpoint IO only renames prefixes. `A_log` is kept
+unpadded [H] here; the checkpoint pads it to a multiple of 128 (model/hf.py owns that).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.config import K3Config
+from model.kda.ops import chunk_kda, recurrent_kda
+from model.norm import RMSNorm, upcast
+
+L2_EPS = 1e-6  # q, k <- x / sqrt(||x||^2 + 1e-6) per head (fla's l2norm)
+
+
+@dataclass
+class KDACache:
+    """Decode state of one KDA layer, created empty by the caller and updated in place by `KDA.forward`.
+
+    recurrent_state: [B, H, K, V] fp32 (fp64 in fp64 runs).
+    conv_state: the last W-1 *pre-conv* inputs of q, k, v, each [B, W-1, P] (zeros before the first token).
+    """
+
+    recurrent_state: torch.Tensor | None = None
+    conv_state: dict[str, torch.Tensor] = field(default_factory=dict)
+    seen_tokens: int = 0
+
+    def reset(self) -> None:
+        self.recurrent_state = None
+        self.conv_state = {}
+        self.seen_tokens = 0
+
+
+def l2_normalize(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
+    """x / sqrt(||x||^2 + eps) over the last dim, in (at least) fp32."""
+    x32 = upcast(x)
+    return x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def causal_depthwise_conv(u_BTP: torch.Tensor, weight_PW: torch.Tensor, prefix_BWP: torch.Tensor | None = None,
+                          segment_start_T: torch.Tensor | None = None) -> torch.Tensor:
+    """y_t[c] = sum_j w[c, j] u_{t-W+1+j}[c], zeros (or `prefix`, the W-1 inputs before t=0) before the start.
+
+    `segment_start_T` (packed documents): the first position of each token's document; taps reaching before it
+    read zeros, so the conv never sees the previous document. Computed in (at least) fp32.
+    """
+    B, T, P = u_BTP.shape
+    W = weight_PW.shape[-1]
+    u = upcast(u_BTP)
+    w = upcast(weight_PW).to(u.dtype)
+    if prefix_BWP is None:
+        prefix_BWP = u.new_zeros(B, W - 1, P)
+    full = torch.cat([prefix_BWP.to(u.dtype), u], dim=1)  # [B, W-1+T, P]
+    y = u * w[:, W - 1]
+    pos_T = torch.arange(T, device=u.device)
+    for s in range(1, W):  # tap W-1-s reads the input s steps back
+        tap_BTP = full[:, W - 1 - s: W - 1 - s + T]
+        if segment_start_T is not None:
+            tap_BTP = tap_BTP * (pos_T - s >= segment_start_T).to(u.dtype)[None, :, None]
+        y = y + tap_BTP * w[:, W - 1 - s]
+    return y
+
+
+def segment_starts(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
+    """[T] index of the first token of each token's document."""
+    cu = cu_seqlens.to(dtype=torch.long)
+    lengths = cu[1:] - cu[:-1]
+    return torch.repeat_interleave(cu[:-1], lengths, output_size=T)
+
+
+class KDA(nn.Module):
+    """Kimi Delta Attention mixer. `forward(x_BTD, cu_seqlens=None, cache=None) -> y_BTD`; x is already input-normed.
+
+    `_keep_fp32` names the parameters that stay fp32 in a bf16 run (spec §12: they are fp32 in the release,
+    tiny and numerically sensitive); whoever casts the model (training/engine, model/hf) must skip them.
+    """
+
+    _keep_fp32 = ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", "A_log", "dt_bias", "o_norm.weight")
+
+    def __init__(self, config: K3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        d = config.hidden_size
+        self.num_heads = H = config.kda_num_heads
+        self.head_dim = K = config.kda_head_dim
+        self.conv_size = W = config.kda_conv_size
+        self.gate_lower_bound = config.kda_gate_lower_bound
+        self.use_full_rank_gate = config.kda_use_full_rank_gate
+        self.chunk_size = config.kda_chunk_size
+        P = H * K
+        self.q_proj = nn.Linear(d, P, bias=False)
+        self.k_proj = nn.Linear(d, P, bias=False)
+        self.v_proj = nn.Linear(d, P, bias=False)
+        self.q_conv1d = nn.Conv1d(P, P, W, groups=P, bias=False, dtype=torch.float32)
+        self.k_conv1d = nn.Conv1d(P, P, W, groups=P, bias=False, dtype=torch.float32)
+        self.v_conv1d = nn.Conv1d(P, P, W, groups=P, bias=False, dtype=torch.float32)
+        self.A_log = nn.Parameter(torch.empty(H, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.empty(P, dtype=torch.float32))
+        self.f_a_proj = nn.Linear(d, K, bias=False)
+        self.f_b_proj = nn.Linear(K, P, bias=False)
+        self.b_proj = nn.Linear(d, H, bias=False)
+        if self.use_full_rank_gate:
+            self.g_proj = nn.Linear(d, P, bias=False)
+        else:  # Kimi-Linear low-rank output gate (with a bias on the up projection, spec §3)
+            self.g_a_proj = nn.Linear(d, K, bias=False)
+            self.g_b_proj = nn.Linear(K, P, bias=True)
+        self.o_norm = RMSNorm(K, eps=config.rms_norm_eps)
+        self.o_proj = nn.Linear(P, d, bias=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Spec §3 init: Linear N(0, initializer_range), conv PyTorch default, A_log 0 (bounded gate; Kimi-Linear
+        form: ln U[1, 16] as fla), dt_bias = log(expm1(dt)) with dt ~ exp(U[ln 1e-3, ln 1e-1]) >= 1e-4, o_norm 1."""
+        std = self.config.initializer_range
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, mean=0.0, std=std)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+        for conv in (self.q_conv1d, self.k_conv1d, self.v_conv1d):
+            conv.reset_parameters()
+        if self.gate_lower_bound is not None:
+            self.A_log.zero_()
+        else:
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1.0, 16.0).log())
+        dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp(min=1e-4)
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus, stable form of log(expm1(dt))
+        self.o_norm.reset_parameters()
+
+    # --- gates ------------------------------------------------------------------------------------------------
+    def decay(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        """Log-space per-channel decay g [B, T, H, K] in fp32: g_min*sigmoid(exp(A)(z+dt_bias)) in (g_min, 0), or
+        Kimi-Linear's -exp(A)*softplus(z+dt_bias) when gate_lower_bound is null."""
+        B, T, _ = x_BTD.shape
+        H, K = self.num_heads, self.head_dim
+        z = upcast(self.f_b_proj(self.f_a_proj(x_BTD))) + upcast(self.dt_bias)
+        z_BTHK = z.view(B, T, H, K)
+        A_H11 = upcast(self.A_log).exp().view(H, 1)
+        if self.gate_lower_bound is not None:
+            return self.gate_lower_bound * torch.sigmoid(A_H11 * z_BTHK)
+        return -A_H11 * F.softplus(z_BTHK)
+
+    def output_gate(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        """sigmoid of the (full- or low-rank) output-gate projection, [B, T, P] in fp32."""
+        logits = self.g_proj(x_BTD) if self.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x_BTD))
+        return torch.sigmoid(upcast(logits))
+
+    # --- forward ----------------------------------------------------------------------------------------------
+    def forward(self, x_BTD: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                cache: KDACache | None = None) -> torch.Tensor:
+        if x_BTD.dim() != 3 or x_BTD.shape[-1] != self.config.hidden_size:
+            raise ValueError(f"KDA expects x [B, T, {self.config.hidden_size}], got {tuple(x_BTD.shape)}")
+        if cu_seqlens is not None and cache is not None:
+            raise ValueError("KDA: pass either cu_seqlens (packed training) or cache (decoding), not both")
+        if cu_seqlens is not None and x_BTD.shape[0] != 1:
+            raise ValueError(f"cu_seqlens needs batch size 1 (packed documents), got B={x_BTD.shape[0]}")
+        B, T, _ = x_BTD.shape
+        H, K = self.num_heads, self.head_dim
+        seg_T = segment_starts(cu_seqlens, T) if cu_seqlens is not None else None
+
+        convs = {}
+        for name in ("q", "k", "v"):
+            u_BTP = getattr(self, f"{name}_proj")(x_BTD)
+            weight_PW = getattr(self, f"{name}_conv1d").weight[:, 0]
+            prefix = cache.conv_state.get(name) if cache is not None else None
+            convs[name] = F.silu(causal_depthwise_conv(u_BTP, weight_PW, prefix, seg_T))
+            if cache is not None:
+                hist = torch.cat([prefix if prefix is not None else u_BTP.new_zeros(B, self.conv_size - 1,
+                                                                                 u_BTP.shape[-1]), u_BTP], dim=1)
+                cache.conv_state[name] = hist[:, hist.shape[1] - (self.conv_size - 1):].detach()
+        q_BTHK = l2_normalize(convs["q"].view(B, T, H, K))
+        k_BTHK = l2_normalize(convs["k"].view(B, T, H, K))
+        v_BTHV = convs["v"].view(B, T, H, K)
+        beta_BTH = torch.sigmoid(upcast(self.b_proj(x_BTD)))
+        g_BTHK = self.decay(x_BTD)
+
+        initial_state = cache.recurrent_state if cache is not None else None
+        if T == 1:
+            o_BTHV, state = recurrent_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, initial_state=initial_state,
+                                          output_final_state=cache is not None, cu_seqlens=cu_seqlens)
+        else:
+            o_BTHV, state = chunk_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, initial_state=initial_state,
+                                      output_final_state=cache is not None, cu_seqlens=cu_seqlens,
+                                      chunk_size=self.chunk_size)
+        if cache is not None:
+            cache.recurrent_state = state.detach()
+            cache.seen_tokens += T
+
+        o_BTHV = self.o_norm(o_BTHV)  # per-head RMSNorm, weight [K] shared by heads (fp32 here)
+        y_BTP = (self.output_gate(x_BTD) * o_BTHV.reshape(B, T, H * K)).to(x_BTD.dtype)
+        return self.o_proj(y_BTP)

@@ -1,0 +1,116 @@
+"""The dispatch seam: how routed tokens reach their experts and come back.
+
+A dispatcher computes, for N tokens routed to K experts each,
+
+    u[n] = sum_k weight[n, k] * E_{idx[n, k]}(z[n])        (k summed in slot order 0..K-1, in >= fp32)
+
+`LocalDispatcher` (all experts on this rank) is dropless and sort-based: a stable argsort of the N*K expert ids
+groups the (token, slot) pairs by expert, every expert runs once on its contiguous slice, and the results are
+put back in (token, slot) order and combined. No capacity, no dropped tokens, no [N x E x C] tensors.
+
+It is one autograd node (`_LocalMoE`) with a hand-written backward that keeps only z [N, l], the weights and the
+sort permutation, and recomputes the gathered inputs and expert activations in backward: memory saved for
+backward is N*l + O(N*K) instead of the several K*N*Im tensors a plain autograd graph keeps. With
+`LocalDispatcher(recompute=False)` it also keeps the GLU inputs [W1 z, W3 z] (K*N*2*Im values) and skips the
+recomputation GEMM (4 instead of 5 backward GEMMs per expert): faster, more memory.
+
+An expert-parallel dispatcher (training/expert_parallel.py) plugs into `LatentMoE.dispatcher` with the same
+call signature; it should group by expert with the same stable sort, run `experts.forward_grouped` on what it
+receives, and combine with `combine_slots` so the k-summation order (and hence the bits) match.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from model.moe.experts import LatentExperts, grouped_backward, grouped_forward
+from model.norm import upcast
+
+
+class Dispatcher(Protocol):
+    def __call__(self, z_NL: torch.Tensor, expert_idx_NK: torch.Tensor, weight_NK: torch.Tensor,
+                 experts: LatentExperts) -> torch.Tensor:
+        """u_NL = sum_k weight[n, k] * E_{idx[n, k]}(z[n]); expert ids are global; returns z's dtype."""
+        ...
+
+
+def sort_by_expert(expert_idx_NK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                            torch.Tensor]:
+    """(order_M, inverse_M, counts_E) for the M = N*K flattened (token, slot) pairs.
+
+    order: stable argsort by expert id (pairs of one expert stay in token order); inverse: position of each
+    (token, slot) pair in the sorted list; counts: pairs per expert (bincount).
+    """
+    flat_M = expert_idx_NK.reshape(-1)
+    order_M = torch.argsort(flat_M, stable=True)
+    inverse_M = torch.empty_like(order_M)
+    inverse_M[order_M] = torch.arange(order_M.numel(), device=order_M.device)
+    counts_E = torch.bincount(flat_M, minlength=num_experts)
+    return order_M, inverse_M, counts_E
+
+
+def combine_slots(y_NKL: torch.Tensor, weight_NK: torch.Tensor) -> torch.Tensor:
+    """sum_k weight[:, k] * y[:, k] in >= fp32, accumulated in slot order 0..K-1 (fixed, so bitwise reproducible)."""
+    w_NK = upcast(weight_NK)
+    u_NL = upcast(y_NKL[:, 0]).to(w_NK.dtype) * w_NK[:, :1]
+    for k in range(1, y_NKL.shape[1]):
+        u_NL.addcmul_(upcast(y_NKL[:, k]).to(w_NK.dtype), w_NK[:, k:k + 1])
+    return u_NL
+
+
+class _LocalMoE(torch.autograd.Function):
+    """gather -> grouped experts -> combine as one node; saves z, weight and the permutation only."""
+
+    @staticmethod
+    def forward(ctx, z_NL, weight_NK, w1, w3, w2, expert_idx_NK, beta1: float, beta2: float,  # type: ignore[override]
+                recompute: bool = True):
+        N, K = expert_idx_NK.shape
+        order_M, inverse_M, counts_E = sort_by_expert(expert_idx_NK, w1.shape[0])
+        counts = counts_E.tolist()
+        z_ML = z_NL.index_select(0, order_M // K)  # [M, l] grouped by expert
+        h13 = None if recompute else z_ML.new_empty(z_ML.shape[0], 2 * w1.shape[1])
+        y_ML = grouped_forward(z_ML, counts, w1, w3, w2, beta1, beta2, h13_out=h13)
+        y_NKL = y_ML.index_select(0, inverse_M).view(N, K, -1)
+        u_NL = combine_slots(y_NKL, weight_NK)
+        ctx.save_for_backward(z_NL, weight_NK, w1, w3, w2, order_M, inverse_M, *(() if h13 is None else (h13,)))
+        ctx.counts, ctx.betas = counts, (beta1, beta2)
+        return u_NL.to(z_NL.dtype)
+
+    @staticmethod
+    def backward(ctx, g_NL):  # type: ignore[override]
+        z_NL, weight_NK, w1, w3, w2, order_M, inverse_M, *kept = ctx.saved_tensors
+        N, K = weight_NK.shape
+        token_M = order_M // K
+        z_ML = z_NL.index_select(0, token_M)
+        g_ML = g_NL.contiguous().index_select(0, token_M)
+        p_M = upcast(weight_NK).reshape(-1).index_select(0, order_M)
+        g_zM, g_w1, g_w3, g_w2, g_pM = grouped_backward(z_ML, g_ML, ctx.counts, w1, w3, w2, *ctx.betas,
+                                                        row_weight_M=p_M, h13_M=kept[0] if kept else None)
+        g_z_NKL = g_zM.index_select(0, inverse_M).view(N, K, -1)
+        g_z = g_z_NKL[:, 0].clone()
+        for k in range(1, K):
+            g_z.add_(g_z_NKL[:, k])
+        g_w = g_pM.index_select(0, inverse_M).view(N, K).to(weight_NK.dtype)
+        return g_z, g_w, g_w1, g_w3, g_w2, None, None, None, None
+
+
+class LocalDispatcher:
+    """Dropless sort-based dispatch to experts that all live on this rank (expert_offset 0, num_local E).
+
+    recompute=True (default) keeps only z for backward; False also keeps the GLU inputs (faster backward).
+    """
+
+    def __init__(self, recompute: bool = True) -> None:
+        self.recompute = recompute
+
+    def __call__(self, z_NL: torch.Tensor, expert_idx_NK: torch.Tensor, weight_NK: torch.Tensor,
+                 experts: LatentExperts) -> torch.Tensor:
+        if experts.num_local != experts.num_experts:
+            raise ValueError(f"LocalDispatcher needs all {experts.num_experts} experts on this rank, the module "
+                             f"holds {experts.num_local}; plug an expert-parallel dispatcher into LatentMoE")
+        return _LocalMoE.apply(z_NL.contiguous(), weight_NK, experts.w1, experts.w3, experts.w2, expert_idx_NK,
+                               experts.beta1, experts.beta2, self.recompute)
+
+    def __repr__(self) -> str:
+        return f"LocalDispatcher(recompute={self.recompute})"

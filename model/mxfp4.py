@@ -1,0 +1,62 @@
+"""MXFP4 (OCP microscaling FP4) as stored for the released K3 routed experts (compressed-tensors
+`mxfp4-pack-quantized`, group 32).
+
+`weight_packed` uint8 [out, in/2]: two E2M1 codes per byte, the low nibble is the even column. A code is
+`sign(bit 3) | magnitude index(bits 0-2)` into {0, 0.5, 1, 1.5, 2, 3, 4, 6}. `weight_scale` uint8 [out, in/32]:
+an E8M0 exponent per group of 32 columns, value 2^(s - 127). Dequantisation is exact in fp32/fp64/bf16 (every
+product is a power of two times a 3-bit mantissa), so importing the release loses nothing beyond its own
+quantisation. `pack_mxfp4` (round to nearest code, per-group scale) exists so tests can build packed tensors.
+"""
+from __future__ import annotations
+
+import torch
+
+GROUP = 32
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E8M0_BIAS = 127
+
+
+def _value_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """All 16 FP4 codes as values: [16] (codes 8..15 are the negatives of 0..7)."""
+    mag = torch.tensor(E2M1_VALUES, dtype=dtype, device=device)
+    return torch.cat([mag, -mag])
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[out, in/2] uint8 codes + [out, in/32] uint8 exponents -> [out, in] tensor of `dtype`."""
+    if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
+        raise ValueError(f"MXFP4 weight_packed/weight_scale must be uint8, got {packed.dtype}/{scale.dtype}")
+    rows, half = packed.shape
+    cols = 2 * half
+    if cols % GROUP or tuple(scale.shape) != (rows, cols // GROUP):
+        raise ValueError(f"MXFP4 weight_scale shape {tuple(scale.shape)} does not match weight_packed "
+                         f"{tuple(packed.shape)}: expected [{rows}, {cols // GROUP}] (group {GROUP})")
+    table = _value_table(dtype, packed.device)
+    p = packed.to(torch.int64)
+    codes = torch.stack([p & 0xF, p >> 4], dim=-1).reshape(rows, cols)  # low nibble = even column
+    values = table[codes]  # [out, in]
+    exps = scale.to(torch.int64) - _E8M0_BIAS  # [out, in/32]
+    factor = torch.pow(torch.tensor(2.0, dtype=torch.float64, device=packed.device), exps.to(torch.float64))
+    return (values.view(rows, cols // GROUP, GROUP) * factor.to(dtype).unsqueeze(-1)).reshape(rows, cols)
+
+
+def pack_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise [out, in] (in % 32 == 0) to (weight_packed uint8 [out, in/2], weight_scale uint8 [out, in/32]).
+
+    Per group: the smallest power-of-two scale with max|w| / scale <= 6, then round to the nearest E2M1 value
+    (ties to the lower magnitude). Values already on the grid are reproduced exactly.
+    """
+    if weight.dim() != 2 or weight.shape[1] % GROUP:
+        raise ValueError(f"pack_mxfp4 needs a 2-D [out, in] tensor with in divisible by {GROUP}, "
+                         f"got {tuple(weight.shape)}")
+    rows, cols = weight.shape
+    w = weight.detach().to(torch.float64).view(rows, cols // GROUP, GROUP)
+    amax = w.abs().amax(-1)  # [out, in/32]
+    exp = torch.where(amax > 0, torch.ceil(torch.log2(amax / 6.0)), torch.zeros_like(amax))
+    exp = exp.clamp(-_E8M0_BIAS, 254 - _E8M0_BIAS)
+    scaled = w / torch.pow(2.0, exp).unsqueeze(-1)  # |scaled| <= 6
+    mag = torch.tensor(E2M1_VALUES, dtype=torch.float64, device=weight.device)
+    idx = (scaled.abs().unsqueeze(-1) - mag).abs().argmin(-1)  # nearest magnitude, first (lower) on ties
+    codes = (idx + 8 * (scaled < 0).to(torch.int64) * (idx > 0).to(torch.int64)).reshape(rows, cols)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+    return packed, (exp.to(torch.int64) + _E8M0_BIAS).to(torch.uint8)

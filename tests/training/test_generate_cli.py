@@ -1,0 +1,95 @@
+"""Generation CLI: loads an HF export or a DeepSpeed checkpoint with its tokenizer, streams, reports tokens/s."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from training.generate import main
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Small-model compute on a shared 2-core box: one intra-op thread avoids oversubscription stalls."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory):
+    """A real 1-process tiny training run (shared with test_report.py through the session's base temp dir)."""
+    run_dir = tmp_path_factory.getbasetemp() / "k3_real_tiny_run"
+    if not (run_dir / "summary.json").is_file():
+        env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+        r = subprocess.run([sys.executable, "-m", "training.train", "experiment=tiny_ci", f"run_dir={run_dir}",
+                            "logging.mode=disabled", "train.steps=4", "logging.heatmap_every=2"],
+                           env=env, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def hf_export(real_run, tmp_path_factory):
+    from training.export import export_checkpoint
+
+    return export_checkpoint(str(real_run), str(tmp_path_factory.mktemp("hf")))
+
+
+def _run(capsys, *args) -> tuple[int, str, str]:
+    rc = main(list(args))
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+def test_greedy_stream_is_the_decoded_continuation(hf_export, capsys):
+    from data import Tokenizer
+    from model import load_hf_checkpoint
+    from model.generate import generate
+
+    rc, out, err = _run(capsys, f"checkpoint={hf_export}", "prompt=def add(a, b):", "max_new_tokens=6")
+    assert rc == 0 and "tokens/s" in err
+    tok = Tokenizer.load(os.path.join(hf_export, "tokenizer.model"))
+    model = load_hf_checkpoint(hf_export)
+    ids = tok.encode("def add(a, b):")
+    ids = ([tok.bos_id] if tok.bos_id is not None else []) + ids
+    ref = generate(model, torch.tensor([ids]), 6, eos_token_id=tok.eos_id)[0, len(ids):].tolist()
+    assert out == "def add(a, b):" + tok.decode(ref) + "\n"
+
+
+def test_deepspeed_checkpoint_and_its_hf_export_sample_the_same_text(real_run, hf_export, capsys):
+    args = ("prompt=import os", "max_new_tokens=5", "temperature=0.8", "top_p=0.9", "seed=3")
+    rc1, out_ds, _ = _run(capsys, f"checkpoint={real_run}", *args)
+    rc2, out_hf, _ = _run(capsys, f"checkpoint={hf_export}", *args)
+    assert rc1 == rc2 == 0 and out_ds == out_hf
+
+
+def test_bench_reports_decode_rate_per_context(hf_export, capsys):
+    rc, out, _ = _run(capsys, f"checkpoint={hf_export}", "bench=true", "contexts=8,96", "bench_tokens=4")
+    rows = [line.split() for line in out.strip().splitlines()[1:]]
+    assert rc == 0 and [r[0] for r in rows] == ["8", "96"] and all(float(r[2]) > 0 for r in rows)
+
+
+def test_prompt_ids_work_without_a_tokenizer(hf_export, tmp_path, capsys):
+    bare = tmp_path / "bare"
+    shutil.copytree(hf_export, bare, ignore=shutil.ignore_patterns("tokenizer*"))
+    rc, out, _ = _run(capsys, f"checkpoint={bare}", "prompt_ids=1 2 3", "max_new_tokens=3")
+    assert rc == 0 and out.startswith("1 2 3") and len(out.split()) == 6
+    rc, _, err = _run(capsys, f"checkpoint={bare}", "prompt=hello")
+    assert rc == 2 and "use prompt_ids=" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("args,fragment", [
+    ((), "checkpoint=<dir> is required"),
+    (("checkpoint",), "is not key=value"),
+    (("checkpoint=/nonexistent/x",), "does not exist"),
+    (("checkpoint=.", "temprature=1"), "unknown key 'temprature'"),
+])
+def test_bad_arguments_are_one_line_errors(args, fragment, capsys):
+    rc, _, err = _run(capsys, *args)
+    assert rc == 2 and fragment in err and len(err.strip().splitlines()) == 1

@@ -1,0 +1,142 @@
+"""Activation memory of one micro-batch: the bytes autograd keeps for backward, per component, as formulas.
+
+Why formulas: the planner must answer for the 2.78T model without building it. Each term lists the tensors this
+implementation saves (read off the modules, checked against `torch.autograd.graph.saved_tensors_hooks` on tiny
+models in tests/training/test_plan.py, within 10%). Counts are elements per token; `A` = activation dtype
+(bf16 on GPU, fp32 on CPU), `F` = fp32 internals (norm statistics, gates, SiTU, KDA recurrence).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from training.metrics.flops import attn_res_candidates
+
+if TYPE_CHECKING:
+    from model.config import K3Config
+
+
+def _norm(D: int) -> tuple[float, float]:
+    """RMSNorm on a fresh tensor: its fp32 input (D), rsqrt (1), pre-weight product (D); output counted by user."""
+    return 0.0, 2.0 * D + 1
+
+
+def mla_elements(c: "K3Config", seq_len: int, attention: str) -> tuple[float, float]:
+    """(A, F) per token for one GatedMLA layer incl. its input x. attention='math' keeps softmax probs (H*T per
+    token, PyTorch's CPU SDPA path), 'flash' keeps only the log-sum-exp (H per token)."""
+    d, H = c.hidden_size, c.num_attention_heads
+    dn, dr, dv, rq, rkv = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.q_lora_rank or 0, c.kv_lora_rank
+    a = d + 2 * H * (dn + dr) + H * dv  # x; q and k per head; v
+    f = 0.0
+    if rq:
+        _, nf = _norm(rq)
+        a, f = a + rq, f + nf  # q_a output -> norm -> q_b input
+    _, nf = _norm(rkv)
+    a, f = a + rkv + dr, f + nf  # kv_a output (c and k_r), normed c_hat into kv_b
+    f += H * seq_len if attention == "math" else H
+    if c.mla_use_output_gate:
+        a, f = a + 2 * H * dv, f + H * dv  # attention output, gated product into o_proj; sigmoid(g)
+    else:
+        a += H * dv
+    return a, f
+
+
+def glu_elements(d: int, inter: int) -> tuple[float, float]:
+    """SiTU-GLU FFN: input x (A), product into down_proj (A), six fp32 SiTU/cap intermediates."""
+    return d + inter, 6.0 * inter
+
+
+def moe_elements(c: "K3Config") -> tuple[float, float]:
+    """LatentMoE: x, router scores/top-k bookkeeping, latent z and u (+ its norm), shared experts. The routed
+    experts recompute their internals in backward (custom autograd), so they keep only z."""
+    d, E, k, l = c.hidden_size, c.num_experts, c.num_experts_per_token, c.routed_expert_hidden_size
+    sa, sf = glu_elements(d, c.num_shared_experts * c.moe_intermediate_size)  # includes x (d)
+    _, nf = _norm(l)
+    # A: latent z and the normed u into up-proj; F: router scores + top-k/sort bookkeeping, u's norm
+    return sa + 2 * l, sf + 3 * E + 6 * k + 1 + nf
+
+
+def kda_sub_blocks(c: "K3Config") -> int:
+    """Sub-blocks per chunk the chunked KDA kernel factorises its decayed scores into, for the worst-case decay the
+    gate bound allows (|g| <= |gate_lower_bound|; a trained model reaches it): n_s = C / S (model/kda/ops.py)."""
+    import torch
+
+    from model.kda.ops import _sub_block_size
+
+    C, g = c.kda_chunk_size, c.kda_gate_lower_bound
+    S = _sub_block_size(C, abs(g), torch.float32) if g is not None else 0
+    return C // S if S else C  # unbounded gates: the exact [C, C, K] form, C times the memory
+
+
+def kda_elements(c: "K3Config", seq_len: int) -> tuple[float, float]:
+    """KDA layer incl. its input x. A: projections, conv in/out (padded by W-1), f_a output, o_proj input.
+    F (fp32 inside the kernel): L2 norms, beta, decay, the chunked core (per chunk: 14 [C, K]-sized tensors,
+    3 n_s more for the sub-block factorised scores, 3 [C, C] score/solve matrices, states S [K, V] at every chunk
+    boundary), the per-head output norm and gate. Chunk tensors cover the padded length ceil(T/C)*C."""
+    d, H, K, C, W = c.hidden_size, c.kda_num_heads, c.kda_head_dim, c.kda_chunk_size, c.kda_conv_size
+    P = H * K
+    N = -(-seq_len // C)
+    pad = N * C / seq_len  # padded tokens per real token
+    n_s = kda_sub_blocks(c)
+    a = d + 9 * P + 3 * P * (W - 1) / seq_len + K + P
+    chunk = (14 * P + 3 * n_s * P + 3 * H * C + H * K / C) * pad + H * K * K * (N + 1) / seq_len
+    f = 2 * (P + H) + H + 2 * P + chunk + (2 * P * pad + H) + 2 * P
+    return a, f
+
+
+def attn_res_elements(n_candidates: int) -> float:
+    """One depth mixture: per candidate rms, logit, softmax weight (+1): candidates themselves are live anyway."""
+    return 4.0 * n_candidates if n_candidates else 0.0
+
+
+def activation_elements(c: "K3Config", seq_len: int, attention: str = "flash") -> dict[str, tuple[float, float]]:
+    """(A, F) elements per token by component, without activation checkpointing."""
+    d = c.hidden_size
+    types = c.layer_types
+    comp: dict[str, list[float]] = {k: [0.0, 0.0] for k in
+                                    ("embedding", "kda", "mla", "dense_ffn", "moe", "norms_residual", "head_loss")}
+    comp["embedding"][0] += d
+
+    def add(name: str, af: tuple[float, float]) -> None:
+        comp[name][0] += af[0]
+        comp[name][1] += af[1]
+
+    cands = attn_res_candidates(c)
+    for i in range(c.num_hidden_layers):
+        add("kda" if types[i] == "kda" else "mla", kda_elements(c, seq_len) if types[i] == "kda" else
+            mla_elements(c, seq_len, attention))
+        add("moe" if c.is_moe_layer(i) else "dense_ffn",
+            moe_elements(c) if c.is_moe_layer(i) else glu_elements(d, c.intermediate_size))
+        n_attn, n_mlp = cands[i]
+        # mixer input (mix output or residual), two norms, partial sums after each sublayer, mlp mix output
+        a = (d if (i > 0 or not c.attn_res_enabled) else 0) + 2 * d + (d if c.attn_res_enabled else 0)
+        add("norms_residual", (a, 2 * (d + 1) + attn_res_elements(n_attn) + attn_res_elements(n_mlp)))
+    n_out = (c.num_hidden_layers - 1) // int(c.attn_res_block_size) + 2 if c.attn_res_enabled else 0
+    # output mix + final norm + normed hidden into lm_head + logits kept by the loss + per-token lse/target
+    add("head_loss", (d * (1 if c.attn_res_enabled else 0) + d + c.vocab_size, d + 1 + attn_res_elements(n_out) + 3))
+    return {k: (v[0], v[1]) for k, v in comp.items()}
+
+
+def activation_bytes(c: "K3Config", micro_batch: int, seq_len: int, act_bytes: int = 2,
+                     checkpointing: bool = False, attention: str = "flash") -> dict[str, float]:
+    """Bytes kept for backward by one micro-batch [micro_batch, seq_len], by component, plus `total`.
+
+    With per-decoder-layer checkpointing only each layer's inputs stay (the new partial sum, d per token per layer;
+    completed AttnRes blocks are shared) plus embedding and head/loss, and backward recomputes one layer at a time:
+    + the largest single layer's activations.
+    """
+    tokens = micro_batch * seq_len
+    el = activation_elements(c, seq_len, attention)
+    b = {k: tokens * (a * act_bytes + f * 4) for k, (a, f) in el.items()}
+    if checkpointing:
+        L = c.num_hidden_layers
+        per_layer = []
+        for i, kind in enumerate(c.layer_types):
+            mix = kda_elements(c, seq_len) if kind == "kda" else mla_elements(c, seq_len, attention)
+            ffn = moe_elements(c) if c.is_moe_layer(i) else glu_elements(c.hidden_size, c.intermediate_size)
+            per_layer.append(tokens * ((mix[0] + ffn[0]) * act_bytes + (mix[1] + ffn[1]) * 4))
+        kept = {"embedding": b["embedding"], "head_loss": b["head_loss"],
+                "layer_inputs": tokens * L * c.hidden_size * act_bytes,
+                "recompute_peak": max(per_layer) + b["norms_residual"] / max(L, 1)}
+        b = kept
+    b["total"] = sum(b.values())
+    return b

@@ -1,0 +1,193 @@
+"""Sample from a trained model: `python -m training.generate checkpoint=<dir> prompt="..." [key=value ...]`.
+
+`checkpoint` is an HF export (config.json + safetensors, e.g. from `python -m training.export`) or a training
+checkpoint (a run dir, its checkpoints/ dir or one step_* dir; the newest complete one is consolidated from any
+ZeRO stage). The tokenizer is the `tokenizer.model` saved next to it. Keys: prompt, prompt_ids ("1 2 3"),
+max_new_tokens (64), temperature (0 = greedy), top_k, top_p, seed (0), dtype (float32|bfloat16), device (cpu),
+bench (false), contexts ("100,4000"), bench_tokens (32).
+
+Tokens stream to stdout as they are sampled; tokens/s of the decode phase goes to stderr. `bench=true` shows why
+K3 decodes at a context-independent cost: KDA carries a fixed-size state and MLA attends over a 576-value latent
+per token, so tokens/s at 100 vs 4,000 tokens of context stay close.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DEFAULTS: dict[str, Any] = {"checkpoint": None, "prompt": None, "prompt_ids": None, "max_new_tokens": 64,
+                            "temperature": 0.0, "top_k": None, "top_p": None, "seed": 0, "dtype": "float32",
+                            "device": "cpu", "bench": False, "contexts": "100,4000", "bench_tokens": 32}
+
+
+class GenerateError(ValueError):
+    """Bad command line or checkpoint; the message names the problem and the fix."""
+
+
+def parse_args(argv: Sequence[str]) -> dict[str, Any]:
+    """key=value pairs (Hydra style) typed after DEFAULTS."""
+    args = dict(DEFAULTS)
+    for a in argv:
+        if "=" not in a:
+            raise GenerateError(f"argument {a!r} is not key=value; e.g. checkpoint=runs/smoke prompt=\"def \"")
+        k, v = a.lstrip("+").split("=", 1)
+        if k not in DEFAULTS:
+            raise GenerateError(f"unknown key {k!r}; choose from {sorted(DEFAULTS)}")
+        if k in ("max_new_tokens", "top_k", "seed", "bench_tokens"):
+            args[k] = int(v) if v.lower() not in ("", "null", "none") else None
+        elif k in ("temperature", "top_p"):
+            args[k] = float(v) if v.lower() not in ("", "null", "none") else None
+        elif k == "bench":
+            args[k] = v.lower() in ("1", "true", "yes")
+        else:
+            args[k] = v
+    if not args["checkpoint"]:
+        raise GenerateError("checkpoint=<dir> is required (an HF export or a training run/checkpoint directory)")
+    return args
+
+
+def is_hf_export(path: Path) -> bool:
+    return (path / "config.json").is_file() and (
+        (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file())
+
+
+def load_model(checkpoint: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """(model in eval mode, directory holding its files): HF export or DeepSpeed checkpoint."""
+    path = Path(checkpoint)
+    if not path.exists():
+        raise GenerateError(f"checkpoint={checkpoint} does not exist; pass an HF export or a run directory")
+    if is_hf_export(path):
+        from model import load_hf_checkpoint
+
+        return load_hf_checkpoint(str(path), dtype=dtype, device=device).eval(), path
+    from training.export import load_checkpoint_model
+
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's consolidation chatter must not mix into the text
+            model, tag_dir = load_checkpoint_model(str(path))
+    except (FileNotFoundError, ValueError) as e:
+        raise GenerateError(f"checkpoint={checkpoint}: {e}") from None
+    return model.to(device=device, dtype=dtype).eval(), Path(tag_dir)
+
+
+def find_tokenizer(*dirs: Path):
+    """data.Tokenizer from the first `tokenizer.model` in dirs (checkpoint dir, then its run dir), else None."""
+    from data import Tokenizer
+
+    for d in dirs:
+        for cand in (d, d.parent, d.parent.parent):
+            if (cand / "tokenizer.model").is_file():
+                return Tokenizer.load(cand / "tokenizer.model")
+    return None
+
+
+class TextStream:
+    """Writes the newly decoded text after each token (decoding the whole continuation keeps multi-piece
+    characters and sentencepiece's leading spaces right)."""
+
+    def __init__(self, tokenizer, out=None) -> None:
+        self.tok, self.out = tokenizer, out or sys.stdout
+        self.ids: list[int] = []
+        self.text = ""
+
+    def __call__(self, t: torch.Tensor) -> None:
+        self.ids.append(int(t[0]))
+        if self.tok is None:
+            self.out.write(f" {self.ids[-1]}")
+        else:
+            text = self.tok.decode(self.ids)
+            self.out.write(text[len(self.text):] if text.startswith(self.text) else text)
+            self.text = text
+        self.out.flush()
+
+
+def timed_generate(model, ids: list[int], max_new_tokens: int, callback=None, **sampling) -> dict[str, Any]:
+    """Run model.generate with timestamps: prefill seconds and decode tokens/s (first token excluded)."""
+    from model.generate import generate
+
+    stamps: list[float] = []
+
+    def cb(t: torch.Tensor) -> None:
+        stamps.append(time.perf_counter())
+        if callback is not None:
+            callback(t)
+
+    prompt = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = generate(model, prompt, max_new_tokens, callback=cb, **sampling)
+    n = len(stamps)
+    decode_s = stamps[-1] - stamps[0] if n > 1 else 0.0
+    return {"ids": out[0, len(ids):].tolist(), "prefill_s": (stamps[0] - t0) if stamps else 0.0,
+            "new_tokens": n, "decode_tokens_per_s": (n - 1) / decode_s if decode_s > 0 else float("nan")}
+
+
+def bench(model, contexts: Sequence[int], new_tokens: int, seed: int = 0) -> list[dict[str, Any]]:
+    """Greedy decode of `new_tokens` after random prompts of each context length (one warm-up run first)."""
+    g = torch.Generator().manual_seed(seed)
+    V = model.config.vocab_size
+    timed_generate(model, torch.randint(0, V, (8,), generator=g).tolist(), 4)  # warm-up
+    rows = []
+    for T in contexts:
+        ids = torch.randint(0, V, (T,), generator=g).tolist()
+        r = timed_generate(model, ids, new_tokens, eos_token_id=None)
+        rows.append({"context": T, "prefill_s": r["prefill_s"], "decode_tokens_per_s": r["decode_tokens_per_s"]})
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return 0
+    try:
+        a = parse_args(argv)
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}.get(a["dtype"])
+        if dtype is None:
+            raise GenerateError(f"dtype={a['dtype']} is not float32|bfloat16|float64")
+        model, where = load_model(a["checkpoint"], dtype, a["device"])
+        if a["bench"]:
+            contexts = [int(x) for x in str(a["contexts"]).split(",") if x]
+            rows = bench(model, contexts, a["bench_tokens"], a["seed"])
+            print(f"{'context':>8} {'prefill s':>10} {'decode tok/s':>13} {'vs first':>9}")
+            for r in rows:
+                print(f"{r['context']:>8} {r['prefill_s']:>10.3f} {r['decode_tokens_per_s']:>13.1f} "
+                      f"{r['decode_tokens_per_s'] / rows[0]['decode_tokens_per_s']:>9.2f}")
+            return 0
+        tok = find_tokenizer(where, Path(a["checkpoint"]))
+        if (a["prompt"] is None) == (a["prompt_ids"] is None):
+            raise GenerateError("give exactly one of prompt=\"text\" or prompt_ids=\"1 2 3\"")
+        if a["prompt"] is not None:
+            if tok is None:
+                raise GenerateError(f"prompt= needs a tokenizer.model next to {where}; use prompt_ids= instead")
+            ids = tok.encode(a["prompt"])
+            if tok.bos_id is not None:
+                ids = [tok.bos_id] + ids
+        else:
+            ids = [int(x) for x in a["prompt_ids"].replace(",", " ").split()]
+        V = model.config.vocab_size
+        if not ids or min(ids) < 0 or max(ids) >= V:
+            raise GenerateError(f"prompt token ids must be non-empty and in [0, {V}); got {len(ids)} ids")
+    except (GenerateError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.write(a["prompt"] if a["prompt"] is not None else a["prompt_ids"])
+    eos = tok.eos_id if tok is not None and tok.eos_id is not None else model.config.eos_token_id
+    r = timed_generate(model, ids, a["max_new_tokens"], callback=TextStream(tok), temperature=a["temperature"],
+                       top_k=a["top_k"], top_p=a["top_p"], seed=a["seed"], eos_token_id=eos)
+    sys.stdout.write("\n")
+    print(f"{r['new_tokens']} tokens, prefill {len(ids)} tokens in {r['prefill_s']:.3f} s, decode "
+          f"{r['decode_tokens_per_s']:.1f} tokens/s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    sys.exit(main())

@@ -1,0 +1,290 @@
+"""Planner: will a layout fit, and how fast will it run? `python -m training.plan <hydra overrides> [plan.*=...]`.
+
+Composes the same Hydra config as training (model, deepspeed, parallel, train groups and keys), adds hardware
+assumptions under `plan.*` (nodes, gpus_per_node, gpu_memory_gb, cpu_memory_gb, peak_tflops, mfu, net_gbps,
+nvlink_gbps, a2a_overlap, dp_overlap, reserve_gb, attention, out, format) and prints a table (and JSON) of:
+parameters per GPU (dense vs expert shares), gradient and optimizer-state memory under the ZeRO stage and
+offload, activation memory of one micro-batch (training/activations.py), total vs GPU memory, FLOPs per token
+(training.metrics.flops, the trainer's MFU formula), all-to-all bytes per step per GPU, step time and tokens/s.
+Memory is in GB (1e9 bytes). Formulas and a worked K3 example: docs/planning.md.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from training.activations import activation_bytes
+from training.metrics.flops import flops_per_token
+from training.metrics.system import GPU_PEAK_BF16
+
+GB = 1e9
+
+
+@dataclass
+class Hardware:
+    nodes: int = 1
+    gpus_per_node: int = 8
+    gpu_memory_gb: float = 141.0  # H200
+    cpu_memory_gb: float = 2048.0  # per node, for offloaded states
+    peak_tflops: float = GPU_PEAK_BF16["H200"] / 1e12  # dense bf16
+    mfu: float = 0.4  # assumed model FLOPs utilisation of the compute
+    net_gbps: float = 400.0  # inter-node bandwidth per GPU, Gbit/s (one 400G NIC per GPU)
+    nvlink_gbps: float = 3600.0  # intra-node bandwidth per GPU per direction, Gbit/s (450 GB/s)
+    a2a_overlap: float = 0.0  # fraction of MoE all-to-all hidden behind compute
+    dp_overlap: float = 0.8  # fraction of gradient reduction hidden behind backward
+    reserve_gb: float = 4.0  # CUDA context, NCCL buffers, allocator fragmentation
+    attention: str = "flash"  # flash (GPU kernels) | math (PyTorch CPU SDPA keeps T x T probabilities)
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass
+class Layout:
+    zero_stage: int = 2
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    ep_size: int = 1
+    micro_batch_size: int = 1
+    seq_len: int = 4096
+    grad_accum: int = 1
+    activation_checkpointing: bool = False
+    precision: str = "bf16"  # bf16 | fp32
+    reduce_bucket_size: int = 50_000_000
+
+
+def state_bytes_per_param(precision: str) -> dict[str, int]:
+    """Mixed precision (ZeRO paper): bf16 weights 2 + bf16 grads 2 + fp32 master, m, v 12. fp32: 4 + 4 + m, v 8."""
+    if precision == "bf16":
+        return {"weights": 2, "grads": 2, "optimizer": 12}
+    return {"weights": 4, "grads": 4, "optimizer": 8}
+
+
+def _largest_unit(config, bd: dict[str, int], ep: int) -> int:
+    """Largest set of parameters ZeRO-3 gathers at once (a decoder layer's local share, embedding or head)."""
+    V, d = config.vocab_size, config.hidden_size
+    mixer = max(bd.get("kda_layer", 0), bd.get("mla_layer", 0))
+    moe = bd.get("moe_layer", 0) - bd.get("per_routed_expert", 0) * config.num_experts * (1 - 1 / ep)
+    return int(max(V * d, mixer + max(moe, bd.get("dense_ffn_layer", 0))))
+
+
+def plan(config, layout: Layout, hw: Hardware, breakdown: dict[str, int] | None = None,
+         warnings: Sequence[str] = ()) -> dict[str, Any]:
+    """The full plan as a JSON-able dict (bytes in GB, times in s). `breakdown` = model.params.param_breakdown."""
+    if breakdown is None:
+        from model.params import param_breakdown
+
+        breakdown = param_breakdown(config)
+    bd = breakdown
+    W, ep, z = hw.world, layout.ep_size, layout.zero_stage
+    if W % ep or config.num_experts % ep:
+        raise ValueError(f"parallel.ep_size={ep} must divide the world size {W} and num_experts={config.num_experts}")
+    n_expert = bd["moe_routed_experts"]
+    n_dense = bd["total"] - n_expert
+    dp_dense, dp_expert = W, W // ep  # data-parallel group of dense params; of each expert shard
+    per = state_bytes_per_param(layout.precision)
+    params = {"dense": n_dense, "expert": n_expert / ep}
+
+    def shard(stage_min: int) -> float:
+        """Local count of a state kind that ZeRO partitions over its DP group from stage `stage_min` on."""
+        return (params["dense"] / (dp_dense if z >= stage_min else 1)
+                + params["expert"] / (dp_expert if z >= stage_min else 1))
+
+    w_local, g_local, o_local = shard(3), shard(2), shard(1)
+    gpu = {
+        "weights": 0.0 if layout.offload_param else w_local * per["weights"],
+        "grads": g_local * per["grads"],
+        "optimizer": 0.0 if layout.offload_optimizer else o_local * per["optimizer"],
+    }
+    cpu_per_gpu = (o_local * per["optimizer"] if layout.offload_optimizer else 0.0) + (
+        w_local * per["weights"] if layout.offload_param else 0.0)
+    if z == 3:  # gathered working set: the layer being computed + the prefetched next one
+        gpu["zero3_gathered"] = 2.0 * _largest_unit(config, bd, ep) * per["weights"]
+    gpu["comm_buckets"] = 2.0 * layout.reduce_bucket_size * per["grads"]
+    act_b = 2 if layout.precision == "bf16" else 4
+    acts = activation_bytes(config, layout.micro_batch_size, layout.seq_len, act_b,
+                            layout.activation_checkpointing, hw.attention)
+    gpu["activations"] = acts["total"]
+    gpu["reserve"] = hw.reserve_gb * GB
+    gpu_total = sum(gpu.values())
+
+    # compute
+    fpt = flops_per_token(config, layout.seq_len, training=True)
+    tokens_gpu = layout.micro_batch_size * layout.seq_len * layout.grad_accum
+    compute_s = tokens_gpu * fpt / (hw.peak_tflops * 1e12 * hw.mfu)
+
+    # MoE all-to-all: every (token, expert) pair carries l values in the activation dtype, out and back, in forward
+    # and backward (+ forward again when checkpointing); the share for experts on other GPUs leaves this GPU.
+    n_moe = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+    passes = 4 + (2 if layout.activation_checkpointing else 0)
+    pair_bytes = config.num_experts_per_token * config.routed_expert_hidden_size * act_b
+    a2a = tokens_gpu * pair_bytes * passes * n_moe * (ep - 1) / ep
+    in_node = min(ep, hw.gpus_per_node)
+    a2a_intra = a2a * ((in_node - 1) / (ep - 1) if ep > 1 else 0.0)
+    a2a_inter = a2a - a2a_intra
+    a2a_s = max(a2a_inter * 8 / (hw.net_gbps * 1e9), a2a_intra * 8 / (hw.nvlink_gbps * 1e9))
+
+    # data-parallel gradient traffic: ring reduce-scatter + all-gather = 2 (g-1)/g of the bytes (ZeRO-3: 3)
+    factor = 3.0 if z == 3 else 2.0
+    dp_dense_b = factor * (dp_dense - 1) / dp_dense * params["dense"] * per["grads"]
+    dp_exp_b = factor * (dp_expert - 1) / dp_expert * params["expert"] * per["grads"] if dp_expert > 1 else 0.0
+    dense_bw = hw.net_gbps if hw.nodes > 1 else hw.nvlink_gbps
+    exp_bw = hw.net_gbps if (ep >= hw.gpus_per_node and dp_expert > 1 and hw.nodes > 1) else hw.nvlink_gbps
+    dp_s = dp_dense_b * 8 / (dense_bw * 1e9) + dp_exp_b * 8 / (exp_bw * 1e9)
+    step_s = compute_s + (1 - hw.a2a_overlap) * a2a_s + (1 - hw.dp_overlap) * dp_s
+    tokens_step = tokens_gpu * W
+
+    return {
+        "model": {"total_params": bd["total"], "active_params": bd["active"], "expert_params": n_expert,
+                  "dense_params": n_dense, "flops_per_token_train": fpt},
+        "layout": dataclasses.asdict(layout), "hardware": {**dataclasses.asdict(hw), "world": W},
+        "params_per_gpu": {"dense": params["dense"] / (dp_dense if z >= 3 else 1),
+                           "expert": params["expert"] / (dp_expert if z >= 3 else 1),
+                           "dense_full": params["dense"], "expert_full": params["expert"]},
+        "gpu_memory_gb": {k: v / GB for k, v in gpu.items()} | {"total": gpu_total / GB},
+        "activations_gb": {k: v / GB for k, v in acts.items()},
+        "cpu_memory_gb_per_node": cpu_per_gpu * hw.gpus_per_node / GB,
+        "fits": {"gpu": gpu_total <= hw.gpu_memory_gb * GB, "gpu_headroom_gb": hw.gpu_memory_gb - gpu_total / GB,
+                 "cpu": cpu_per_gpu * hw.gpus_per_node <= hw.cpu_memory_gb * GB,
+                 "cpu_headroom_gb": hw.cpu_memory_gb - cpu_per_gpu * hw.gpus_per_node / GB},
+        "comm_per_step_per_gpu_gb": {"moe_all_to_all": a2a / GB, "moe_all_to_all_inter_node": a2a_inter / GB,
+                                     "dp_gradients": (dp_dense_b + dp_exp_b) / GB},
+        "warnings": list(warnings),
+        "time": {"compute_s": compute_s, "all_to_all_s": a2a_s, "dp_comm_s": dp_s, "step_s": step_s,
+                 "tokens_per_step": tokens_step, "tokens_per_s": tokens_step / step_s,
+                 "tokens_per_s_per_gpu": tokens_gpu / step_s},
+    }
+
+
+def _fmt_n(n: float) -> str:
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def format_table(p: dict[str, Any]) -> str:
+    m, lay, hw, g, t = p["model"], p["layout"], p["hardware"], p["gpu_memory_gb"], p["time"]
+    offload = ((" +opt offload" if lay["offload_optimizer"] else "")
+               + (" +param offload" if lay["offload_param"] else ""))
+    ppg = p["params_per_gpu"]
+    rows = [
+        ("model", f"{_fmt_n(m['total_params'])} total, {_fmt_n(m['active_params'])} active "
+                  f"({_fmt_n(m['expert_params'])} in routed experts)"),
+        ("layout", f"{hw['nodes']} nodes x {hw['gpus_per_node']} GPUs = {hw['world']}, ZeRO-{lay['zero_stage']}"
+                   f"{offload}, EP {lay['ep_size']}, {lay['precision']}"),
+        ("batch", f"micro {lay['micro_batch_size']} x seq {lay['seq_len']} x GA {lay['grad_accum']} x DP "
+                  f"{hw['world']} = {t['tokens_per_step']:,} tokens/step; activation ckpt "
+                  f"{lay['activation_checkpointing']}"),
+        ("params / GPU", f"dense {_fmt_n(ppg['dense'])} + expert {_fmt_n(ppg['expert'])}"),
+    ]
+    for k, v in g.items():
+        if k != "total":
+            rows.append((f"  GPU {k}", f"{v:10.2f} GB"))
+    rows.append(("GPU total", f"{g['total']:10.2f} GB of {hw['gpu_memory_gb']:.0f} GB -> "
+                              f"{'FITS' if p['fits']['gpu'] else 'DOES NOT FIT'} "
+                              f"({p['fits']['gpu_headroom_gb']:+.1f} GB)"))
+    if p["cpu_memory_gb_per_node"]:
+        rows.append(("CPU offload / node", f"{p['cpu_memory_gb_per_node']:10.1f} GB of {hw['cpu_memory_gb']:.0f} "
+                                           f"GB -> {'fits' if p['fits']['cpu'] else 'DOES NOT FIT'}"))
+    c = p["comm_per_step_per_gpu_gb"]
+    rows += [
+        ("FLOPs / token (train)", f"{m['flops_per_token_train']:.3e}"),
+        ("MoE all-to-all / GPU", f"{c['moe_all_to_all']:.2f} GB/step "
+                                 f"({c['moe_all_to_all_inter_node']:.2f} GB inter-node)"),
+        ("DP gradients / GPU", f"{c['dp_gradients']:.2f} GB/step"),
+        ("step time", f"{t['step_s']:.2f} s = compute {t['compute_s']:.2f} + a2a {t['all_to_all_s']:.2f} "
+                      f"x{1 - hw['a2a_overlap']:.1f} + DP {t['dp_comm_s']:.2f} x{1 - hw['dp_overlap']:.1f} "
+                      f"(MFU {hw['mfu']:.0%} of {hw['peak_tflops']:.0f} TFLOP/s)"),
+        ("throughput", f"{t['tokens_per_s']:,.0f} tokens/s ({t['tokens_per_s_per_gpu']:,.0f} per GPU)"),
+    ]
+    rows += [("warning", w) for w in p.get("warnings", [])]
+    w = max(len(r[0]) for r in rows)
+    return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+
+
+_PLAN_FIELDS = {f.name: f.type for f in dataclasses.fields(Hardware)} | {"out": "str", "format": "str", "device": "str"}
+
+
+def split_overrides(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """(hydra overrides, plan.* settings)."""
+    hydra, planner = [], {}
+    for arg in argv:
+        key = arg.lstrip("+")
+        if key.startswith("plan."):
+            if "=" not in key:
+                raise ValueError(f"{arg!r} needs a value: plan.<key>=<value>")
+            k, v = key[len("plan."):].split("=", 1)
+            if k not in _PLAN_FIELDS:
+                raise ValueError(f"unknown planner key plan.{k}; choose from {sorted(_PLAN_FIELDS)}")
+            planner[k] = v
+        else:
+            hydra.append(arg)
+    return hydra, planner
+
+
+def from_overrides(argv: Sequence[str]) -> tuple[Any, Layout, Hardware, dict[str, str], list[str]]:
+    """Compose conf/train.yaml with the overrides -> (K3Config, Layout, Hardware, extra settings, warnings).
+
+    The trainer's cross-key validation runs for the planned world size; what it refuses (e.g. ZeRO-3 with expert
+    parallelism) is still planned, with the refusal as a warning, so hypothetical layouts can be compared."""
+    from training.config import TrainConfigError, build_model_config, compose, validate
+
+    hydra, planner = split_overrides(argv)
+    cfg = compose(hydra)
+    config = build_model_config(cfg)
+    hw_kw: dict[str, Any] = {}
+    for k, v in planner.items():
+        if k in ("out", "format", "device"):
+            continue
+        ftype = type(getattr(Hardware(), k))
+        hw_kw[k] = ftype(v)
+    hw = Hardware(**hw_kw)
+    device = planner.get("device", "gpu")
+    precision = cfg.train.precision
+    if precision == "auto":
+        precision = "bf16" if device == "gpu" else "fp32"
+    layout = Layout(zero_stage=int(cfg.deepspeed.zero_stage), offload_optimizer=bool(cfg.deepspeed.offload_optimizer),
+                    offload_param=bool(cfg.deepspeed.offload_param), ep_size=int(cfg.parallel.ep_size),
+                    micro_batch_size=int(cfg.train.micro_batch_size), seq_len=int(cfg.train.seq_len),
+                    grad_accum=int(cfg.train.grad_accum),
+                    activation_checkpointing=bool(cfg.train.activation_checkpointing), precision=precision,
+                    reduce_bucket_size=int(cfg.deepspeed.reduce_bucket_size))
+    warnings = []
+    try:
+        validate(cfg, hw.world)
+    except TrainConfigError as e:
+        warnings.append(f"training would refuse this layout: {e}")
+    return config, layout, hw, planner, warnings
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return 0
+    try:
+        config, layout, hw, extra, warnings = from_overrides(argv)
+        result = plan(config, layout, hw, warnings=warnings)
+    except Exception as e:  # noqa: BLE001 - every bad input becomes one line
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"error: {msg}", file=sys.stderr)
+        return 2
+    if extra.get("format") == "json":
+        print(json.dumps(result, indent=1))
+    else:
+        print(format_table(result))
+    if extra.get("out"):
+        with open(extra["out"], "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
+            f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
