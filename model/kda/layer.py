@@ -165,6 +165,8 @@ class KDA(nn.Module):
             raise ValueError(f"cu_seqlens needs batch size 1 (packed documents), got B={x_BTD.shape[0]}")
         B, T, _ = x_BTD.shape
         H, K = self.num_heads, self.head_dim
+        if cu_seqlens is not None and (cu_seqlens.dim() != 1 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != T):
+            raise ValueError(f"cu_seqlens must be 1-D cumulative lengths from 0 to T={T}, got {cu_seqlens.tolist()}")
         seg_T = segment_starts(cu_seqlens, T) if cu_seqlens is not None else None
 
         convs = {}
@@ -184,7 +186,7 @@ class KDA(nn.Module):
         g_BTHK = self.decay(x_BTD)
 
         initial_state = cache.recurrent_state if cache is not None else None
-        if T == 1:
+        if T == 1 and cache is not None:  # a decode step
             o_BTHV, state = recurrent_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, initial_state=initial_state,
                                           output_final_state=cache is not None, cu_seqlens=cu_seqlens)
         else:

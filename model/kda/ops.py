@@ -26,6 +26,8 @@ g > 0 (growth) is outside the model's range and always takes the exact form.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -92,6 +94,7 @@ def _varlen_layout(cu_seqlens: torch.Tensor, device: torch.device) -> tuple[torc
 # --------------------------------------------------------------------------------------------------------------
 # fla dispatch (CUDA only, optional)
 # --------------------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=1)
 def _fla_kda():
     """fla's (chunk_kda, fused_recurrent_kda) or None; fla needs Triton, so this is only tried for CUDA tensors."""
     try:
@@ -210,12 +213,14 @@ def _inter_chunk_backward(W_NXCK, d_NXK1, KdT_NXKC, S_all, Vp_NXCV, dS_prev, dS_
     N = W_NXCK.shape[0]
     S_prev = S_all[:N]
     dVp_tot = torch.empty_like(Vp_NXCV)  # total gradient of each Vp_n (direct + through S_{n+1})
-    dS_next = torch.empty_like(S_prev)  # gradient of S_{n+1}, per chunk
-    dS_XKV = dS_final
+    dS_all = torch.empty_like(S_all)  # dS_all[n] = gradient of S_n (all paths)
+    dS_all[N] = dS_final
     for n in range(N - 1, -1, -1):
-        dS_next[n] = dS_XKV
-        torch.baddbmm(dVp_NXCV[n], KdT_NXKC[n].transpose(-1, -2), dS_XKV, out=dVp_tot[n])
-        dS_XKV = torch.baddbmm(d_NXK1[n] * dS_XKV + dS_prev[n], W_NXCK[n].transpose(-1, -2), dVp_tot[n], alpha=-1)
+        torch.baddbmm(dVp_NXCV[n], KdT_NXKC[n].transpose(-1, -2), dS_all[n + 1], out=dVp_tot[n])
+        torch.baddbmm(torch.addcmul(dS_prev[n], d_NXK1[n], dS_all[n + 1]), W_NXCK[n].transpose(-1, -2), dVp_tot[n],
+                      alpha=-1, out=dS_all[n])
+    dS_next = dS_all[1:]
+    dS_XKV = dS_all[0]
     dW = -(dVp_tot @ S_prev.transpose(-1, -2))
     dd = (dS_next * S_prev).sum(-1, keepdim=True)
     dKdT = dS_next @ Vp_NXCV.transpose(-1, -2)

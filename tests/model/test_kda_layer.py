@@ -186,3 +186,8 @@ def test_cache_with_cu_seqlens_raises():
 def test_wrong_hidden_size_raises():
     with pytest.raises(ValueError, match=r"KDA expects x \[B, T, 32\]"):
         make_layer()(torch.zeros(1, 4, 31, dtype=torch.float64))
+
+
+def test_cu_seqlens_not_covering_the_sequence_raises():
+    with pytest.raises(ValueError, match="cu_seqlens must be 1-D cumulative lengths from 0 to T=5"):
+        make_layer()(rand_x(1, 5), cu_seqlens=torch.tensor([0, 3]))
