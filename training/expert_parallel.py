@@ -134,7 +134,9 @@ class EPHandle:
         """A checkpoint written without expert parallelism (stacked experts in the model file): slice our experts
         out of it; weights and buffers only (the optimizer starts fresh)."""
         path = os.path.join(load_dir, tag, "mp_rank_00_model_states.pt")
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        from training.safe_load import safe_torch_load
+
+        state = safe_torch_load(path)  # checkpoints are untrusted: weights-only
         module = dict(state["module"])
         num_local = self.num_experts // self.ep_size
         lo = self.ep_rank * num_local
@@ -155,8 +157,9 @@ def _restore_lr_schedule(engine, tag_dir: str) -> None:
     sched = getattr(engine, "lr_scheduler", None)
     if sched is None:
         return
-    state = torch.load(os.path.join(tag_dir, "mp_rank_00_model_states.pt"), map_location="cpu",
-                       weights_only=False, mmap=True).get("lr_scheduler")
+    from training.safe_load import safe_torch_load
+
+    state = safe_torch_load(os.path.join(tag_dir, "mp_rank_00_model_states.pt"), mmap=True).get("lr_scheduler")
     if not state:
         return
     groups_ = sched.optimizer.param_groups
@@ -200,7 +203,9 @@ def saved_layout(load_dir: str, tag: str | None = None) -> dict[str, int] | None
     path = os.path.join(load_dir, str(tag), "mp_rank_00_model_states.pt")
     if not os.path.isfile(path):
         return None
-    state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    from training.safe_load import safe_torch_load
+
+    state = safe_torch_load(path, mmap=True)
     return state.get(CLIENT_STATE_KEY)
 
 

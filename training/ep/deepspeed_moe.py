@@ -110,11 +110,13 @@ def consolidated_module_state(tag_dir: str | os.PathLike, mp_rank: int = 0) -> d
     main = os.path.join(tag_dir, f"mp_rank_{mp_rank:02d}_model_states.pt")
     if not os.path.isfile(main):
         raise FileNotFoundError(f"no {main}; pass a checkpoint tag directory (e.g. run_dir/checkpoints/global_step10)")
-    sd = dict(torch.load(main, map_location="cpu", weights_only=False)["module"])
+    from training.safe_load import safe_torch_load  # checkpoints are untrusted: weights-only
+
+    sd = dict(safe_torch_load(main)["module"])
     slices: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
     files = sorted(glob.glob(os.path.join(tag_dir, f"layer_*_expert_*_mp_rank_{mp_rank:02d}_model_states.pt")))
     for f in files:
-        for key, t in torch.load(f, map_location="cpu", weights_only=False).items():
+        for key, t in safe_torch_load(f).items():
             m = _EXPERT_KEY.match(key)
             if m is None:
                 raise ValueError(f"unexpected key {key!r} in expert file {f}; not a k3-train expert checkpoint")

@@ -1,0 +1,182 @@
+"""Checkpoints that survive crashes and resume bitwise.
+
+Layout of `<run_dir>/checkpoints/`:
+    step_00000100/            DeepSpeed tag dir (model/optimizer/ZeRO shards, LR scheduler, client state)
+        rank_00000.pt ...     every rank's own state: torch/numpy/python RNG, data-loader state
+        trainer_state.json    step, tokens seen, W&B run id, world size (rank 0)
+        config.json           the model config (so export needs nothing else); tokenizer files
+        COMPLETE              written by rank 0 after a barrier: every rank finished writing
+    latest                    the newest COMPLETE tag, replaced atomically (tmp file + os.replace)
+
+A crash mid-write leaves a tag dir without COMPLETE; `latest` still names the previous good one, and `find_latest`
+skips incomplete dirs, so the last good checkpoint is never lost. Keep-last-N prunes only COMPLETE dirs older
+than the one just committed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from typing import Any
+
+import numpy as np
+import torch
+
+from training.distributed import barrier
+
+TAG_RE = re.compile(r"^step_(\d{8})$")
+COMPLETE = "COMPLETE"
+
+
+def tag_for(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def is_complete(tag_dir: str) -> bool:
+    return os.path.isfile(os.path.join(tag_dir, COMPLETE))
+
+
+def _atomic_write(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def rng_state() -> dict[str, Any]:
+    name, keys, pos, has_gauss, gauss = np.random.get_state()  # plain types: loadable with weights_only=True
+    st = {"torch": torch.get_rng_state(), "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos),
+                                                   int(has_gauss), float(gauss)], "python": random.getstate()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def set_rng_state(st: dict[str, Any]) -> None:
+    torch.set_rng_state(st["torch"])
+    name, keys, pos, has_gauss, gauss = st["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.int64).astype(np.uint32), pos, has_gauss, gauss))
+    random.setstate(st["python"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def complete_tags(root: str) -> list[str]:
+    """COMPLETE tag names under `root`, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    tags = [d for d in os.listdir(root) if TAG_RE.match(d) and is_complete(os.path.join(root, d))]
+    return sorted(tags)
+
+
+def find_latest(root: str) -> str | None:
+    """The newest COMPLETE checkpoint dir under `root` (prefers the `latest` marker), or None."""
+    marker = os.path.join(root, "latest")
+    if os.path.isfile(marker):
+        with open(marker, encoding="utf-8") as f:
+            tag = f.read().strip()
+        tags = complete_tags(root)
+        if tag and is_complete(os.path.join(root, tag)) and not (tags and tags[-1] > tag):
+            return os.path.join(root, tag)  # (a crash between COMPLETE and the marker: the newer one wins)
+    tags = complete_tags(root)
+    return os.path.join(root, tags[-1]) if tags else None
+
+
+def resolve_checkpoint(path: str) -> str:
+    """Accept a tag dir, a checkpoints/ dir or a run dir; return a COMPLETE tag dir or raise one line."""
+    path = os.path.abspath(path)
+    if is_complete(path):
+        return path
+    for root in (path, os.path.join(path, "checkpoints")):
+        found = find_latest(root)
+        if found:
+            return found
+    raise FileNotFoundError(f"no complete checkpoint at {path}; pass a run dir, its checkpoints/ or a step_* dir")
+
+
+def save(engine, root: str, step: int, trainer_state: dict[str, Any], rank_state: dict[str, Any], rank: int,
+         keep_last: int, extra_files=None, client_extra: dict[str, Any] | None = None) -> str:
+    """Collective: every rank calls it. Returns the committed tag dir.
+
+    `extra_files(tag_dir)` runs on rank 0 before COMPLETE (model config.json, tokenizer).
+    """
+    from training import faults
+
+    tag = tag_for(step)
+    tag_dir = os.path.join(root, tag)
+    faults.checkpoint_phase("begin", step, rank)
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        if os.path.isdir(tag_dir):  # a crashed earlier write of the same step: never half-overwrite
+            shutil.rmtree(tag_dir)
+    barrier()
+    engine.save_checkpoint(root, tag=tag, client_state={"trainer_state": trainer_state, **(client_extra or {})}, save_latest=False)
+    faults.checkpoint_phase("after_engine_save", step, rank)
+    rank_path = os.path.join(tag_dir, f"rank_{rank:05d}.pt")
+    torch.save(rank_state, rank_path + ".tmp")
+    os.replace(rank_path + ".tmp", rank_path)
+    faults.checkpoint_phase("after_rank_file", step, rank)
+    barrier()  # every rank has written its shards and its rank file
+    if rank == 0:
+        if extra_files is not None:
+            extra_files(tag_dir)
+        _atomic_write(os.path.join(tag_dir, "trainer_state.json"), json.dumps(trainer_state, indent=2) + "\n")
+        faults.checkpoint_phase("before_complete", step, rank)
+        _atomic_write(os.path.join(tag_dir, COMPLETE), "")
+        faults.checkpoint_phase("before_latest", step, rank)
+        _atomic_write(os.path.join(root, "latest"), tag)
+        faults.checkpoint_phase("before_prune", step, rank)
+        _prune(root, keep_last, keep=tag)
+    barrier()
+    return tag_dir
+
+
+def _prune(root: str, keep_last: int, keep: str) -> None:
+    """Delete COMPLETE checkpoints beyond the newest `keep_last`, and incomplete dirs older than `keep`."""
+    tags = complete_tags(root)
+    for old in tags[:-keep_last]:
+        if old != keep:
+            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+    for d in os.listdir(root):
+        if TAG_RE.match(d) and d < keep and not is_complete(os.path.join(root, d)):
+            shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+
+
+def has_expert_files(tag_dir: str) -> bool:
+    """True for checkpoints written with DeepSpeed-MoE expert files (expert parallelism)."""
+    import glob
+
+    return bool(glob.glob(os.path.join(tag_dir, "layer_*_expert_*_model_states.pt")))
+
+
+def load(engine, tag_dir: str, rank: int, world_size: int, ep_load=None
+         ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Collective. Restores engine (weights, buffers such as router biases, optimizer, LR schedule).
+
+    Returns (trainer_state, this rank's state or None when the world size changed: then RNG is not restored and
+    the data loader re-splits from rank 0's state, which describes the global position). `ep_load` replaces
+    engine.load_checkpoint under expert parallelism.
+    """
+    root, tag = os.path.split(tag_dir.rstrip("/"))
+    kw = dict(load_optimizer_states=True, load_lr_scheduler_states=True)
+    if ep_load is not None:  # expert parallelism: EP-size-agnostic load (training/expert_parallel.py)
+        path, client, _ = ep_load(engine, root, tag, **kw)
+    else:
+        path, client = engine.load_checkpoint(root, tag=tag, **kw)
+    if path is None:
+        raise RuntimeError(f"DeepSpeed could not load checkpoint {tag_dir}")
+    with open(os.path.join(tag_dir, "trainer_state.json"), encoding="utf-8") as f:
+        trainer_state = json.load(f)
+    same_world = int(trainer_state.get("world_size", -1)) == world_size
+    own = os.path.join(tag_dir, f"rank_{rank:05d}.pt")
+    src = own if same_world else os.path.join(tag_dir, "rank_00000.pt")
+    from training.safe_load import safe_torch_load
+
+    rank_state = safe_torch_load(src)  # untrusted input: never unpickles code
+    if not same_world:
+        rank_state = {"data": rank_state.get("data"), "rng": None}
+    return trainer_state, rank_state

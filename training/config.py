@@ -1,0 +1,266 @@
+"""Typed training configuration: Hydra structured configs plus the cross-key validation.
+
+Every section is a dataclass registered in Hydra's ConfigStore, so a typo'd key or a wrong type fails when the
+config is composed, before any process group or run directory exists. `validate` adds the checks that span
+several keys (batch arithmetic, ZeRO/EP/offload combinations, model vs sequence length, missing files) and raises
+`TrainConfigError` with one line naming the key and the fix.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from data import DataConfig
+from model.config import ConfigError, K3Config, preset_names
+
+ZERO_GROUPS = ("zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
+BALANCE_MODES = ("quantile", "sign", "aux", "none")
+
+
+class TrainConfigError(ValueError):
+    """A training configuration that must not start; the message is one line naming the key and the fix."""
+
+
+# --- model: every K3Config field, optional (None = the preset's value) ----------------------------------------
+def _omegaconf_type(tp: Any) -> Any:
+    """Map K3Config's annotations (PEP 604 unions, Literal, builtin generics) onto types OmegaConf accepts."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        return str
+    if origin in (dict, Dict):
+        return Dict[str, Any]
+    if origin in (list, List):
+        return List[Any]
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if args and origin is not None:  # Optional / union: keep the first non-None member
+        return _omegaconf_type(args[0])
+    return tp
+
+
+def _model_fields() -> list[tuple[str, Any, Any]]:
+    hints = typing.get_type_hints(K3Config)
+    out: list[tuple[str, Any, Any]] = [
+        ("preset", str, field(default="tiny")),
+        ("init_from", Optional[str], field(default=None)),
+    ]
+    for f in dataclasses.fields(K3Config):
+        out.append((f.name, Optional[_omegaconf_type(hints[f.name])], field(default=None)))
+    return out
+
+
+ModelSection = dataclasses.make_dataclass("ModelSection", _model_fields())
+ModelSection.__doc__ = (
+    "`preset` picks K3Config.preset(...); any other non-null key overrides that preset field (HF key names); "
+    "`init_from` starts from an HF checkpoint directory (its config.json wins over the preset).")
+
+
+@dataclass
+class TrainSection:
+    steps: int = 100
+    seed: int = 0
+    seq_len: int = 256
+    micro_batch_size: int = 8  # rows per rank per micro-batch
+    grad_accum: int = 1
+    grad_clip: float = 1.0
+    precision: str = "auto"  # auto (fp32 on CPU, bf16 on GPU) | fp32 | bf16
+    activation_checkpointing: bool = False
+    max_bad_steps: int = 5  # stop (with a checkpoint) after this many consecutive non-finite steps; 0 = never
+    exit_after_step: Optional[int] = None  # testing hook: os._exit right after this step (also env K3_TEST_EXIT_AFTER_STEP)
+
+
+@dataclass
+class OptimSection:
+    name: str = "adamw"  # adamw | muon
+    lr: float = 3e-4
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
+    muon_ns_steps: int = 5
+
+
+@dataclass
+class ScheduleSection:
+    name: str = "cosine"  # cosine | wsd | constant
+    warmup_frac: float = 0.01
+    decay_frac: float = 0.2  # wsd: fraction of steps in the final decay
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+
+
+@dataclass
+class DeepSpeedSection:
+    zero_stage: int = 2
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    overlap_comm: bool = False
+    reduce_bucket_size: int = 50_000_000
+    extra: Dict[str, Any] = field(default_factory=dict)  # deep-merged last into the generated JSON
+
+
+@dataclass
+class ParallelSection:
+    ep_size: int = 1
+
+
+@dataclass
+class MoeSection:
+    balance: Optional[str] = None  # quantile|sign|aux|none; null keeps the model's moe_balance
+
+
+@dataclass
+class LoggingSection:
+    mode: str = "offline"  # offline | online | disabled
+    every: int = 10
+    project: str = "k3-train"
+    heatmap_every: int = 100
+    progress: bool = True
+
+
+@dataclass
+class CheckpointSection:
+    every: int = 0  # 0: only the final checkpoint
+    resume: str = "auto"  # auto | none | <checkpoint dir>
+    keep_last: int = 2
+    save_final: bool = True
+    fallback: bool = False  # resume: a corrupted newest checkpoint falls back to the previous complete one
+
+
+@dataclass
+class LauncherSection:
+    """Only for `--multirun` sweeps: num_gpus > 0 re-launches each job with the deepspeed launcher."""
+    num_gpus: int = 0
+    hostfile: Optional[str] = None
+
+
+@dataclass
+class TrainConfig:
+    name: str = "default"
+    run_dir: Optional[str] = None  # null -> runs/<name>
+    model: ModelSection = field(default_factory=ModelSection)  # type: ignore[valid-type]
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimSection = field(default_factory=OptimSection)
+    schedule: ScheduleSection = field(default_factory=ScheduleSection)
+    deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    moe: MoeSection = field(default_factory=MoeSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    launcher: LauncherSection = field(default_factory=LauncherSection)
+
+
+
+def register_configs() -> None:
+    """Register the schema so conf/train.yaml (which lists `train_schema` first in its defaults) is typed."""
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+
+
+register_configs()
+
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+
+
+def compose(overrides: list[str] | None = None) -> DictConfig:
+    """Compose conf/train.yaml with overrides outside of @hydra.main (tests, tools)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return hydra_compose(config_name="train", overrides=list(overrides or []))
+
+
+# --- derived values -----------------------------------------------------------------------------------------
+def resolve_run_dir(cfg: DictConfig) -> str:
+    return os.path.abspath(cfg.run_dir or os.path.join("runs", cfg.name))
+
+
+def global_batch_rows(cfg: DictConfig, world_size: int) -> int:
+    return cfg.train.micro_batch_size * cfg.train.grad_accum * world_size
+
+
+def build_model_config(cfg: DictConfig) -> K3Config:
+    """K3Config from the `model` section (+ `moe.balance`); errors become one-line TrainConfigError."""
+    m = OmegaConf.to_container(cfg.model, resolve=True)
+    preset, init_from = m.pop("preset"), m.pop("init_from")
+    overrides = {k: v for k, v in m.items() if v is not None}
+    if cfg.moe.balance is not None:
+        overrides["moe_balance"] = cfg.moe.balance
+    try:
+        if init_from:
+            base = K3Config.from_hf_config(init_from)
+            lac = overrides.pop("linear_attn_config", None)
+            if lac:
+                overrides["linear_attn_config"] = {**base.linear_attn_config, **lac}
+            return base.replace(**overrides) if overrides else base
+        return K3Config.preset(preset, **overrides)
+    except ConfigError as e:
+        raise TrainConfigError(f"model: {e}") from None
+    except TypeError as e:
+        raise TrainConfigError(f"model: {e}") from None
+
+
+def validate(cfg: DictConfig, world_size: int) -> K3Config:
+    """Cross-key checks that must pass before any process group starts; returns the model config."""
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise TrainConfigError(msg)
+
+    t, ds, par = cfg.train, cfg.deepspeed, cfg.parallel
+    need(cfg.model.preset in preset_names() or cfg.model.init_from,
+         f"unknown model preset {cfg.model.preset!r}; use model=<{'|'.join(preset_names())}>")
+    if cfg.model.init_from:
+        need(os.path.isfile(os.path.join(cfg.model.init_from, "config.json")),
+             f"model.init_from={cfg.model.init_from} has no config.json; point it at an HF checkpoint directory")
+    need(cfg.moe.balance is None or cfg.moe.balance in BALANCE_MODES,
+         f"moe.balance={cfg.moe.balance!r} is not one of {'|'.join(BALANCE_MODES)}")
+    mcfg = build_model_config(cfg)
+    for key in ("steps", "seq_len", "micro_batch_size", "grad_accum"):
+        need(t[key] >= 1, f"train.{key} must be >= 1, got {t[key]}")
+    need(t.precision in ("auto", "fp32", "bf16"), f"train.precision must be auto|fp32|bf16, got {t.precision!r}")
+    need(t.seq_len <= mcfg.max_position_embeddings,
+         f"train.seq_len={t.seq_len} exceeds model max_position_embeddings={mcfg.max_position_embeddings}")
+    need(world_size >= 1, f"world size must be >= 1, got {world_size}")
+    need(ds.zero_stage in (0, 1, 2, 3), f"deepspeed.zero_stage must be 0..3, got {ds.zero_stage}")
+    need(not (ds.offload_optimizer or ds.offload_param) or ds.zero_stage >= 1,
+         "CPU offload needs ZeRO stage >= 1; use deepspeed=zero2_offload or deepspeed=zero3_offload")
+    need(not ds.offload_param or ds.zero_stage == 3,
+         "deepspeed.offload_param needs ZeRO-3; use deepspeed=zero3_offload")
+    need(cfg.optim.name in ("adamw", "muon"), f"optim.name must be adamw|muon, got {cfg.optim.name!r}")
+    need(not (cfg.optim.name == "muon" and (ds.offload_optimizer or ds.offload_param)),
+         "optim=muon is a client optimizer and DeepSpeed refuses offload with one; use optim=adamw for offload")
+    need(not (cfg.optim.name == "muon" and ds.zero_stage != 0),
+         "optim=muon orthogonalises whole matrices, which ZeRO partitions; use deepspeed=zero0 with optim=muon")
+    need(par.ep_size >= 1, f"parallel.ep_size must be >= 1, got {par.ep_size}")
+    need(world_size % par.ep_size == 0,
+         f"parallel.ep_size={par.ep_size} must divide the world size {world_size}; change ep_size or --num_gpus")
+    need(mcfg.num_experts % par.ep_size == 0,
+         f"parallel.ep_size={par.ep_size} must divide model.num_experts={mcfg.num_experts}")
+    need(not (par.ep_size > 1 and ds.zero_stage == 3),
+         "ZeRO-3 cannot partition expert-parallel experts (DeepSpeed refuses MoE with stage 3); "
+         "use deepspeed=zero2 with parallel.ep_size>1 or parallel.ep_size=1 with zero3")
+    need(cfg.schedule.name in ("cosine", "wsd", "constant"),
+         f"schedule.name must be cosine|wsd|constant, got {cfg.schedule.name!r}")
+    need(0 <= cfg.schedule.warmup_frac < 1, f"schedule.warmup_frac must be in [0, 1), got {cfg.schedule.warmup_frac}")
+    need(0 <= cfg.schedule.decay_frac <= 1, f"schedule.decay_frac must be in [0, 1], got {cfg.schedule.decay_frac}")
+    need(cfg.optim.lr > 0, f"optim.lr must be > 0, got {cfg.optim.lr}")
+    need(cfg.logging.mode in ("offline", "online", "disabled"),
+         f"logging.mode must be offline|online|disabled, got {cfg.logging.mode!r}")
+    need(cfg.logging.every >= 1, f"logging.every must be >= 1, got {cfg.logging.every}")
+    need(cfg.checkpoint.every >= 0, f"checkpoint.every must be >= 0 (0 = only at the end), got {cfg.checkpoint.every}")
+    need(t.max_bad_steps >= 0, f"train.max_bad_steps must be >= 0 (0 = never stop), got {t.max_bad_steps}")
+    need(cfg.checkpoint.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {cfg.checkpoint.keep_last}")
+    r = cfg.checkpoint.resume
+    if r not in ("auto", "none"):
+        need(os.path.isdir(r), f"checkpoint.resume={r} is not a directory; use auto, none or a checkpoint path")
+    return mcfg

@@ -1,0 +1,110 @@
+"""Process-group set-up for one process or the deepspeed launcher, and collectives the trainer needs.
+
+A plain `python -m training.train` is a 1-rank gloo group (env defaults filled in here, otherwise DeepSpeed tries
+MPI discovery). DeepSpeed's shared-memory comm op (inference all-reduce only) is skipped so nothing JIT-compiles.
+`DistStatsReducer` is the balancer's StatsReducer over a torch.distributed group: sums all-reduce, concatenations
+all-gather with variable lengths, so the router bias is a function of the global batch only.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def env_world() -> DistInfo:
+    """Rank info from the launcher's environment (or a 1-rank default), before any process group exists."""
+    return DistInfo(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+                    int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def init_distributed() -> DistInfo:
+    """Initialise (once) the DeepSpeed/torch.distributed group; fills env defaults for a single process."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("LOCAL_RANK", "0")
+    import deepspeed
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # skip a ~37 s JIT build on CPU
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_init_required=True, verbose=False)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"]))
+
+
+def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
+    """Out-of-place SUM over the group (identity when not distributed)."""
+    out = t.clone()
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+class DistStatsReducer:
+    """StatsReducer over a torch.distributed group: `sum` = all-reduce SUM, `cat` = variable-length all-gather.
+
+    Ranks are concatenated in rank order, so the result is identical on every rank and, as the global batch is
+    split into rank shares in row order, equals the single-rank concatenation of the same global batch.
+    """
+
+    def __init__(self, group=None) -> None:
+        self.group = group
+
+    def _world(self) -> int:
+        return dist.get_world_size(self.group) if dist.is_initialized() else 1
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        return all_reduce_sum(t, self.group)
+
+    def cat(self, t: torch.Tensor) -> torch.Tensor:
+        w = self._world()
+        if w == 1:
+            return t
+        n = torch.tensor([t.shape[0]], dtype=torch.int64, device=t.device)
+        sizes = [torch.zeros_like(n) for _ in range(w)]
+        dist.all_gather(sizes, n, group=self.group)
+        lens = [int(s.item()) for s in sizes]
+        width = max(lens)
+        padded = t.new_zeros((width, *t.shape[1:]))
+        padded[: t.shape[0]] = t
+        parts = [torch.empty_like(padded) for _ in range(w)]
+        dist.all_gather(parts, padded.contiguous(), group=self.group)
+        return torch.cat([p[:k] for p, k in zip(parts, lens)], dim=0)
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def gather_objects(obj, world_size: int) -> list:
+    """all_gather_object wrapper (identity list on one rank)."""
+    if not dist.is_initialized() or world_size == 1:
+        return [obj]
+    out = [None] * world_size
+    dist.all_gather_object(out, obj)
+    return out

@@ -1,0 +1,81 @@
+"""Export a training checkpoint (any ZeRO stage) as a consolidated HF checkpoint.
+
+    python -m training.export <run_dir | run_dir/checkpoints | checkpoint step dir> <out_dir>
+
+ZeRO 1-3: the fp32 master weights are gathered from every rank's shards with DeepSpeed's zero_to_fp32
+utilities (buffers such as the router biases come from the model-states file); ZeRO 0: the module state file is
+already whole. Expert-parallel checkpoints (per-expert files) are consolidated by training/ep. The model config and
+tokenizer saved with the checkpoint travel along, so `model.load_hf_checkpoint(out_dir)` is all a reader needs.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import shutil
+import sys
+
+import torch
+
+
+def consolidated_state_dict(tag_dir: str) -> dict[str, torch.Tensor]:
+    """The full fp32 module state dict of a DeepSpeed checkpoint dir, whatever its ZeRO stage or EP size."""
+    from training.safe_load import verify_checkpoint
+
+    verify_checkpoint(tag_dir, trainer_state=False)  # untrusted: every file must load weights-only before DeepSpeed's loaders see it
+    root, tag = os.path.split(os.path.abspath(tag_dir))
+    if glob.glob(os.path.join(tag_dir, "layer_*_expert_*_model_states.pt")):
+        from training.ep.deepspeed_moe import consolidated_module_state
+
+        return consolidated_module_state(tag_dir)
+    if glob.glob(os.path.join(tag_dir, "*zero_pp_rank_*optim_states.pt")):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return dict(get_fp32_state_dict_from_zero_checkpoint(root, tag=tag))
+    files = sorted(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt")))
+    if not files:
+        raise FileNotFoundError(f"{tag_dir} holds no DeepSpeed model states; is it a checkpoint step dir?")
+    return torch.load(files[0], map_location="cpu", weights_only=True)["module"]  # (verified above)
+
+
+def load_checkpoint_model(path: str):
+    """K3ForCausalLM with the weights of the newest complete checkpoint under `path` (fp32, CPU)."""
+    from model import K3Config, K3ForCausalLM
+    from training.checkpoint import resolve_checkpoint
+
+    tag_dir = resolve_checkpoint(path)
+    config = K3Config.from_hf_config(tag_dir)
+    state = consolidated_state_dict(tag_dir)
+    model = K3ForCausalLM(config)
+    model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=True)
+    return model.eval(), tag_dir
+
+
+def export_checkpoint(path: str, out_dir: str) -> str:
+    """Write config.json + safetensors (+ tokenizer) for the checkpoint at `path`; returns out_dir."""
+    from model import save_hf_checkpoint
+
+    model, tag_dir = load_checkpoint_model(path)
+    save_hf_checkpoint(model, out_dir)
+    for f in os.listdir(tag_dir):
+        if f.startswith("tokenizer"):
+            shutil.copy2(os.path.join(tag_dir, f), os.path.join(out_dir, f))
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("checkpoint", help="run dir, its checkpoints/ dir, or a step_* checkpoint dir")
+    ap.add_argument("out_dir", help="output directory for the HF checkpoint")
+    a = ap.parse_args(argv)
+    try:
+        out = export_checkpoint(a.checkpoint, a.out_dir)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {a.checkpoint} -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""Checkpoints are untrusted input: load them without ever executing pickled code, fail on damage with one line.
+
+DeepSpeed's TorchCheckpointEngine calls `torch.load(..., weights_only=False)`, which runs any pickled callable.
+`install(engine)` replaces the engine's checkpoint-engine `load` with `safe_torch_load`: `weights_only=True` plus an
+explicit allowlist of the few plain-data classes DeepSpeed stores (loss scaler, ZeRO stage enum, fragment
+address), reconstructed by the restricted unpickler without calling code. `verify_checkpoint` checks a tag dir
+before anything is loaded (every file present, every .pt readable by the safe loader), so a corrupted, truncated or
+malicious checkpoint is reported as one line naming the file, and `checkpoint.fallback=true` can pick the previous
+complete checkpoint instead.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import pickle
+import zipfile
+from typing import Any
+
+import torch
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message is one line naming the file and the fix."""
+
+
+def _allowed_globals() -> list[Any]:
+    out: list[Any] = []
+    try:
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+
+        out += [LossScaler, DynamicLossScaler]
+    except ImportError:
+        pass
+    try:
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+
+        out.append(ZeroStageEnum)
+    except ImportError:
+        pass
+    try:
+        from deepspeed.utils.tensor_fragment import fragment_address
+
+        out.append(fragment_address)
+    except ImportError:
+        pass
+    return out
+
+
+def safe_torch_load(path: str, map_location: Any = "cpu", mmap: bool = False) -> Any:
+    """torch.load that never executes pickled code; any failure becomes a one-line CheckpointError."""
+    try:
+        with torch.serialization.safe_globals(_allowed_globals()):
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        first = next((ln.strip() for ln in str(e).splitlines() if "GLOBAL" in ln), "")
+        if first:  # a callable/class outside the allowlist: exactly what an exploit pickle needs
+            raise CheckpointError(f"checkpoint file {path} holds pickled code or an unknown class, refused "
+                                  f"(weights-only loading: {first[:160]}); only load checkpoints you wrote") from None
+        raise CheckpointError(f"checkpoint file {path} is corrupted or truncated ({_short(e)}); "
+                              "delete it or resume from another checkpoint (checkpoint.fallback=true)") from None
+    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile, KeyError, AttributeError) as e:
+        raise CheckpointError(f"checkpoint file {path} is corrupted or truncated ({_short(e)}); "
+                              "delete it or resume from another checkpoint (checkpoint.fallback=true)") from None
+
+
+def _short(e: BaseException) -> str:
+    line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {line[:120]}"
+
+
+def _check_trainer_state(path: str) -> None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            ts = json.load(f)
+        if not isinstance(ts, dict) or "step" not in ts:
+            raise ValueError("no 'step' key")
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint file {path} is missing or corrupted ({_short(e)}); "
+                              "resume from another checkpoint (checkpoint.fallback=true)") from None
+
+
+def verify_checkpoint(tag_dir: str, trainer_state: bool = True) -> None:
+    """Raise CheckpointError (one line, naming the file) unless `tag_dir` is loadable without executing code."""
+    if trainer_state:
+        _check_trainer_state(os.path.join(tag_dir, "trainer_state.json"))
+    files = sorted(glob.glob(os.path.join(tag_dir, "*.pt")))
+    if not any(os.path.basename(p).startswith("mp_rank_") for p in files) and not glob.glob(
+            os.path.join(tag_dir, "*model_states.pt")):
+        raise CheckpointError(f"checkpoint {tag_dir} has no model states file (mp_rank_*_model_states.pt); "
+                              "resume from another checkpoint (checkpoint.fallback=true)")
+    for p in files:
+        safe_torch_load(p)
+
+
+def install(engine) -> None:
+    """Route every DeepSpeed checkpoint read of this engine through `safe_torch_load`."""
+    ce = getattr(engine, "checkpoint_engine", None)
+    if ce is None:
+        return
+
+    def load(path: str, map_location: Any = None) -> Any:
+        return safe_torch_load(path, map_location=map_location if map_location is not None else "cpu")
+
+    ce.load = load  # type: ignore[method-assign]
+
+
+def pick_resume(found: str | None, fallback: bool, is_main: bool) -> str | None:
+    """`found` if it verifies; with `fallback`, else the newest older complete checkpoint that does."""
+    if found is None:
+        return None
+    from training.checkpoint import complete_tags
+
+    root, tag = os.path.split(found.rstrip("/"))
+    older = [os.path.join(root, t) for t in reversed(complete_tags(root)) if t < tag] if fallback else []
+    for cand in [found, *older]:
+        try:
+            verify_checkpoint(cand)
+            return cand
+        except CheckpointError as e:
+            if not fallback:
+                raise
+            if is_main:
+                print(f"warning: {e}; falling back to the previous checkpoint", flush=True)
+    raise CheckpointError(f"no usable checkpoint under {root} (every complete one failed verification); "
+                          "start fresh with checkpoint.resume=none or a new run_dir")
