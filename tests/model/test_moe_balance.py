@@ -171,7 +171,7 @@ class _ThreadReducer:
 
 def _run_ranks(bals: list[Balancer], per_rank_batches: list[list[torch.Tensor]]) -> None:
     world = len(bals)
-    slots, barrier = [None] * world, threading.Barrier(world)
+    slots, barrier = [None] * world, threading.Barrier(world, timeout=60)
     for bal, batches in zip(bals, per_rank_batches):
         for scores in batches:  # gradient-accumulation micro-batches
             bal.observe(scores, select_experts(scores, bal.bias, bal.k)[0])
