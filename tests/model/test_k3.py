@@ -163,7 +163,7 @@ def test_aux_balance_adds_the_aux_loss_to_the_lm_loss():
     m = random_model(micro_config(moe_balance="aux", moe_aux_loss_coef=0.1)).train()
     ids = torch.randint(0, 61, (2, 9))
     out = m(ids, labels=ids)
-    assert out.aux_loss is not None and float(out.aux_loss) > 0
+    assert out.aux_loss is not None and float(out.aux_loss.detach()) > 0
     ce, _ = causal_lm_loss(out.logits, ids)
     torch.testing.assert_close(out.loss, ce + out.aux_loss, rtol=0, atol=1e-12)
     assert random_model().train()(ids, labels=ids).aux_loss is None  # quantile: no aux loss
