@@ -70,6 +70,9 @@ class StepGuard:
 
     def after_step(self, step: int, applied: bool, loss: float) -> bool:
         """Record optimizer step `step`; returns True if it was skipped. `applied` is engine.was_step_applied()."""
+        if _any_rank(not applied) and applied:  # one collective: every rank must have made the same decision
+            raise TooManyBadSteps(f"step {step}: the optimizer step was skipped on some ranks but applied here; "
+                                  "the ranks' weights diverged: resume from the last checkpoint")
         bad = (not applied) or not math.isfinite(loss)
         if bad and applied:  # cannot happen with ZeRO or `install`; fail loudly rather than train on garbage
             raise TooManyBadSteps(f"step {step}: loss {loss} is not finite but the optimizer step was applied; "

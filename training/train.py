@@ -41,6 +41,7 @@ sys.argv = _strip_local_rank(sys.argv)
 import json  # noqa: E402
 import random  # noqa: E402
 import time  # noqa: E402
+import warnings  # noqa: E402
 from typing import Any  # noqa: E402
 
 import hydra  # noqa: E402
@@ -58,6 +59,8 @@ from training.config import (  # noqa: E402
 from training.distributed import env_world  # noqa: E402
 
 EXIT_ENV = "K3_TEST_EXIT_AFTER_STEP"
+# DeepSpeed's ZeRO collectives call a torch API deprecated in 2.13; the warning repeats on every rank and step.
+warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # silences DeepSpeed's accelerator-detection warning
 
@@ -323,6 +326,8 @@ class Trainer:
         every, ck_every = int(cfg.logging.every), int(cfg.checkpoint.every)
         t_start, first_loss, last, first_step_s = time.time(), None, {}, None
         t_last, tok_last = time.time(), 0
+        window: list[float] = []  # per-step losses since the last log line
+        first_avg = None
         while self.step < int(t.steps):
             metrics, counts_LE, balance = self.train_step()
             self.step += 1
@@ -332,7 +337,11 @@ class Trainer:
                 first_loss = metrics["loss"]
                 metrics["time_to_first_step_s"] = first_step_s = time.time() - PROCESS_START
             last = metrics
+            window.append(float(metrics["loss"]))
             if self.step % every == 0 or self.step == int(t.steps):
+                metrics["loss_avg"] = sum(window) / len(window)
+                first_avg = metrics["loss_avg"] if first_avg is None else first_avg
+                window.clear()
                 now = time.time()
                 tps = tok_last / max(1e-9, now - t_last)
                 t_last, tok_last = now, 0
@@ -356,6 +365,7 @@ class Trainer:
                 os._exit(17)  # a hard kill for the resume tests: no cleanup, no final checkpoint
         elapsed = time.time() - t_start
         self.logger.summary({"steps": self.step, "final_loss": last.get("loss"), "first_loss": first_loss,
+                             "first_loss_avg": first_avg, "final_loss_avg": last.get("loss_avg"),
                              "tokens_seen": self.tokens_seen, "elapsed_s": elapsed,
                              "time_to_first_step_s": first_step_s,
                              "tokens_per_s": self.tokens_seen / max(1e-9, elapsed)})

@@ -68,7 +68,8 @@ class RunLogger:
         if self._wandb is not None:
             self._wandb.log(step, {k: v for k, v in record.items() if k not in ("step", "time")})
         if self._progress is not None:
-            loss, tps = record.get("loss"), record.get("tokens_per_s")
+            # the window mean (loss_avg) when the trainer provides it: single-step losses are noisy
+            loss, tps = record.get("loss_avg", record.get("loss")), record.get("tokens_per_s")
             self._progress.update(int(step), loss if isinstance(loss, (int, float)) else None,
                                   tps if isinstance(tps, (int, float)) else None)
 
