@@ -40,3 +40,10 @@ def test_real_stdlib_corpus_has_hundreds_of_python_modules():
     first = [next(docs) for _ in range(300)]
     assert len({rel for rel, _ in first}) == 300
     assert all(rel.endswith(".py") and "test" not in rel.split("/")[:-1] for rel, _ in first)
+
+
+def test_sections_reassemble_the_module_exactly_and_respect_the_minimum_size():
+    text = "".join(f"def f{i}():\n    return {i}\n\n\n" for i in range(200)) + "x = 1\n"
+    pieces = corpus.split_sections(text, min_chars=300)
+    assert "".join(pieces) == text
+    assert len(pieces) > 1 and all(len(p) >= 300 for p in pieces)
