@@ -8,6 +8,7 @@ import model.k3 as k3_module
 from model.attn_res import attn_res_candidate_counts, attn_res_mix
 from model.config import K3Config
 from model.k3 import K3ForCausalLM
+from tests.model.micro import micro_config
 
 
 def reference_mix(cands: list[torch.Tensor], w: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
@@ -19,14 +20,6 @@ def reference_mix(cands: list[torch.Tensor], w: torch.Tensor, g: torch.Tensor, e
     return (alpha.unsqueeze(-1) * V).sum(0)
 
 
-def micro_config(**overrides) -> K3Config:
-    base = dict(vocab_size=61, hidden_size=32, num_hidden_layers=5, intermediate_size=64,
-                linear_attn_config=dict(num_heads=2, head_dim=16), num_attention_heads=2, num_key_value_heads=2,
-                q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
-                num_experts=4, num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=16,
-                routed_expert_hidden_size=16, attn_res_block_size=2, kda_chunk_size=16)
-    base.update(overrides)
-    return K3Config(**base)
 
 
 def test_single_candidate_is_identity():

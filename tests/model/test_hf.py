@@ -12,16 +12,12 @@ from model.config import K3Config, a_log_storage_len
 from model.hf import CheckpointError, cast_model, load_hf_checkpoint, read_hf_state, save_hf_checkpoint
 from model.k3 import K3ForCausalLM
 from model.mxfp4 import E2M1_VALUES, dequantize_mxfp4, pack_mxfp4
+from tests.model.micro import micro_config as shared_micro_config
 
 
 def micro_config(**overrides) -> K3Config:
-    base = dict(vocab_size=61, hidden_size=32, num_hidden_layers=5, intermediate_size=64,
-                linear_attn_config=dict(num_heads=2, head_dim=16), num_attention_heads=2, num_key_value_heads=2,
-                q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
-                num_experts=4, num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=32,
-                routed_expert_hidden_size=32, attn_res_block_size=2, kda_chunk_size=16)
-    base.update(overrides)
-    return K3Config(**base)
+    """The shared micro config with wider experts (MXFP4 packs groups of 32 columns)."""
+    return shared_micro_config(**{**dict(moe_intermediate_size=32, routed_expert_hidden_size=32), **overrides})
 
 
 def randomised(cfg: K3Config) -> K3ForCausalLM:
