@@ -51,8 +51,10 @@ def test_resume_continues_the_same_wandb_run(offline_run):
     run_dir, first_id, second_id = offline_run
     assert first_id == second_id
     assert (run_dir / "wandb_run_id").read_text().strip() == first_id
-    runs = list((run_dir / "wandb").glob(f"offline-run-*-{first_id}"))
-    assert len(runs) == 2
+    # every offline run directory belongs to the one run id (both sessions may share a directory when they
+    # start within the same second: W&B names it offline-run-<YYYYmmdd_HHMMSS>-<id>)
+    runs = list((run_dir / "wandb").glob("offline-run-*"))
+    assert runs and all(p.name.endswith(f"-{first_id}") for p in runs)
 
 
 def test_offline_wandb_run_contains_router_metrics(offline_run):
