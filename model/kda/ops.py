@@ -11,8 +11,9 @@ fla's Triton kernels unchanged:
 Everything is computed in (at least) fp32 and `o` is returned in q's dtype; the state is fp32 (fp64 for fp64
 inputs). On CPU the chunked path is the WY/UT algorithm of spec §3 in plain PyTorch:
 
-1. all chunks' intra-chunk work is batched over [N chunks, B*H, C, ...]: decayed scores A_qk / A_kk, one
-   triangular solve for W and U (no explicit inverse);
+1. all chunks' intra-chunk work is batched over [N chunks, B*H, C, ...]: decayed scores A_qk / A_kk, and W, U
+   from the inverse of the unit-triangular UT matrix, formed once by blocked halving (batched LAPACK solves of
+   many small systems are several times slower than matmuls on CPU), with a matmul-only backward;
 2. only the state recurrence runs sequentially, two small matmuls per chunk (T / C steps, never per token), with
    a hand-written backward so autograd records one node for the whole loop.
 
@@ -33,6 +34,29 @@ import torch.nn.functional as F
 
 # largest exponent one score factor may carry (fp32 max ~ e^88.7)
 _EXP_LIMIT = {torch.float32: 80.0, torch.float64: 600.0}
+# smallest exponent worth evaluating: below it exp() is subnormal / zero, and CPU exp takes a ~30x slower path there
+_EXP_FLOOR = {torch.float32: -87.0, torch.float64: -700.0}
+
+
+class _FloorExp(torch.autograd.Function):
+    """exp(x) with x floored at the smallest normal exponent: changes values (and gradients, d exp = exp) by
+    < 2e-38, and keeps CPU exp off its ~30x slower subnormal path. Backward is one multiply (no clamp mask)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = x.clamp(min=_EXP_FLOOR[x.dtype]).exp_()
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        return dy * y
+
+
+def _exp(x: torch.Tensor) -> torch.Tensor:
+    return _FloorExp.apply(x)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -172,12 +196,16 @@ def _decayed_scores(q_XCK, k_XCK, G_XCK, S: int) -> tuple[torch.Tensor, torch.Te
         return A_qk, A_kk.tril(-1)
     n_s = C // S
     G_XnSK = G_XCK.view(*lead, n_s, S, K)
-    ref_XnK = G_XnSK[..., S // 2, :]  # reference row of each sub-block
-    row_XnSK = (G_XnSK - ref_XnK.unsqueeze(-2)).exp()
-    if n_s == 1:  # one block: the column factor exp(ref - G) is 1 / row factor
+    # reference row of each sub-block; the product of the two factors does not depend on it: detached
+    ref_XnK = G_XnSK.detach()[..., S // 2, :]
+    row_XnSK = (G_XnSK - ref_XnK.unsqueeze(-2)).exp()  # |exponent| <= (S // 2) max|g| <= limit
+    if n_s == 1:  # one block; the column factor is its own exp (1 / row would give a backward of inf * 0 = nan
+        # for row factors near the range limit: d(1/r) = -1/r^2 overflows)
         row_XCK = row_XnSK.view_as(G_XCK)
-        colT_XKC = (k_XCK * row_XCK.reciprocal()).transpose(-1, -2)
+        colT_XKC = (k_XCK * (ref_XnK - G_XCK).exp()).transpose(-1, -2)
         return ((q_XCK * row_XCK) @ colT_XKC).tril(), ((k_XCK * row_XCK) @ colT_XKC).tril(-1)
+    if n_s == 2:
+        return _decayed_scores_two_blocks(q_XCK, k_XCK, G_XCK)
     # columns of later sub-blocks are masked anyway: clamp them so the factor stays finite
     col_exp_XnCK = ref_XnK.unsqueeze(-2) - G_XCK.unsqueeze(-3)
     col_XnCK = col_exp_XnCK.clamp(max=_EXP_LIMIT[G_XCK.dtype]).exp() * k_XCK.unsqueeze(-3)
@@ -188,19 +216,50 @@ def _decayed_scores(q_XCK, k_XCK, G_XCK, S: int) -> tuple[torch.Tensor, torch.Te
     return A_qk, A_kk
 
 
-def _inter_chunk_forward(U_NXCV, W_NXCK, d_NXK1, KdT_NXKC, S0_XKV):
+def _decayed_scores_two_blocks(q_XCK, k_XCK, G_XCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_decayed_scores` for two sub-blocks of S = C / 2 rows, built block by block (no [..., 2, C, K] factors).
+
+    Diagonal blocks split the exponent at their middle row (both factors within exp(+-(S // 2) max|g|)); the
+    off-diagonal block (rows of block 1, columns of block 0) splits it at the boundary row b = S - 1, where both
+    factors exp(G_r - G_b) and exp(G_b - G_i) are <= 1, so flooring their exponents (`_exp`) is harmless. The
+    product does not depend on the reference row, so the references are detached (same gradient, fewer nodes).
+    """
+    C, K = q_XCK.shape[-2:]
+    S = C // 2
+    lead = G_XCK.shape[:-2]
+    q_X2SK, k_X2SK, G_X2SK = (x.view(*lead, 2, S, K) for x in (q_XCK, k_XCK, G_XCK))
+    ref_X21K = G_X2SK.detach()[..., S // 2:S // 2 + 1, :]
+    row_X2SK = (G_X2SK - ref_X21K).exp()  # |exponent| <= (S // 2) max|g| <= limit: no floor needed
+    colT_X2KS = (k_X2SK * (ref_X21K - G_X2SK).exp()).transpose(-1, -2)
+    Dq0, Dq1 = ((q_X2SK * row_X2SK) @ colT_X2KS).unbind(-3)  # [.., S, S] diagonal blocks
+    Dk0, Dk1 = ((k_X2SK * row_X2SK) @ colT_X2KS).unbind(-3)
+    q1, k0, k1, G0, G1 = q_X2SK[..., 1, :, :], *k_X2SK.unbind(-3), *G_X2SK.unbind(-3)
+    G_b_X1K = G0.detach()[..., S - 1:S, :]  # boundary row: last row of block 0
+    row_off_XSK = _exp(G1 - G_b_X1K)  # <= 1
+    col_offT_XKS = (k0 * _exp(G_b_X1K - G0)).transpose(-1, -2)  # <= 1
+    Oq = (q1 * row_off_XSK) @ col_offT_XKS  # [.., S, S] rows of block 1, columns of block 0
+    Ok = (k1 * row_off_XSK) @ col_offT_XKS
+
+    def assemble(D0, O, D1, diagonal: int) -> torch.Tensor:  # [.., C, C] from the three blocks
+        return torch.cat([F.pad(D0.tril(diagonal), (0, S)), torch.cat([O, D1.tril(diagonal)], dim=-1)], dim=-2)
+
+    return assemble(Dq0, Oq, Dq1, 0), assemble(Dk0, Ok, Dk1, -1)
+
+
+def _inter_chunk_forward(WU_NXCD, d_NXK1, KdT_NXKC, S0_XKV):
     """The only sequential part of the chunked form, for chunks n = 0..N-1 (leading dim), batch X = B*H:
 
         Vp_n = U_n - W_n S_n                     pseudo-values            [X, C, V]
         S_{n+1} = Diag(d_n) S_n + Kd_n^T Vp_n    d_n = exp(G_last), Kd = k exp(G_last - G)
 
-    Returns all states S_0..S_N [N+1, X, K, V] and Vp [N, X, C, V] (no autograd: callers own the backward).
+    WU = [W | U] [N, X, C, K + V] (column slices go to BLAS as strided views, no copies). Returns all states
+    S_0..S_N [N+1, X, K, V] and Vp [N, X, C, V] (no autograd: callers own the backward).
     """
-    N = U_NXCV.shape[0]
-    # contiguous per-chunk slices (a transposed view is fine: BLAS takes it as is)
-    U_NXCV, W_NXCK, d_NXK1 = (x.contiguous() for x in (U_NXCV, W_NXCK, d_NXK1))
-    S_all = U_NXCV.new_empty(N + 1, *S0_XKV.shape)
-    Vp_NXCV = torch.empty_like(U_NXCV)
+    N = WU_NXCD.shape[0]
+    K = S0_XKV.shape[-2]
+    W_NXCK, U_NXCV = WU_NXCD[..., :K], WU_NXCD[..., K:]
+    S_all = WU_NXCD.new_empty(N + 1, *S0_XKV.shape)
+    Vp_NXCV = torch.empty_like(U_NXCV, memory_format=torch.contiguous_format)
     S_all[0] = S0_XKV
     for n in range(N):
         torch.baddbmm(U_NXCV[n], W_NXCK[n], S_all[n], alpha=-1, out=Vp_NXCV[n])
@@ -208,9 +267,13 @@ def _inter_chunk_forward(U_NXCV, W_NXCK, d_NXK1, KdT_NXKC, S0_XKV):
     return S_all, Vp_NXCV
 
 
-def _inter_chunk_backward(W_NXCK, d_NXK1, KdT_NXKC, S_all, Vp_NXCV, dS_prev, dS_final, dVp_NXCV):
-    """Reverse of `_inter_chunk_forward`: the same two matmuls per chunk, every other gradient batched after."""
-    N = W_NXCK.shape[0]
+def _inter_chunk_backward(WU_NXCD, d_NXK1, KdT_NXKC, S_all, Vp_NXCV, dS_prev, dS_final, dVp_NXCV):
+    """Reverse of `_inter_chunk_forward`: the same two matmuls per chunk, every other gradient batched after.
+
+    Returns d[W | U] as one [N, X, C, K + V] tensor (dU is the total gradient of Vp)."""
+    N = WU_NXCD.shape[0]
+    K = S_all.shape[-2]
+    W_NXCK = WU_NXCD[..., :K]
     S_prev = S_all[:N]
     dVp_tot = torch.empty_like(Vp_NXCV)  # total gradient of each Vp_n (direct + through S_{n+1})
     dS_all = torch.empty_like(S_all)  # dS_all[n] = gradient of S_n (all paths)
@@ -221,10 +284,10 @@ def _inter_chunk_backward(W_NXCK, d_NXK1, KdT_NXKC, S_all, Vp_NXCV, dS_prev, dS_
                       alpha=-1, out=dS_all[n])
     dS_next = dS_all[1:]
     dS_XKV = dS_all[0]
-    dW = -(dVp_tot @ S_prev.transpose(-1, -2))
+    dWU = torch.cat([(dVp_tot @ S_prev.transpose(-1, -2)).neg_(), dVp_tot], dim=-1)
     dd = (dS_next * S_prev).sum(-1, keepdim=True)
     dKdT = dS_next @ Vp_NXCV.transpose(-1, -2)
-    return dVp_tot, dW, dd, dKdT, dS_XKV
+    return dWU, dd, dKdT, dS_XKV
 
 
 class _InterChunkRecurrence(torch.autograd.Function):
@@ -234,22 +297,76 @@ class _InterChunkRecurrence(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, U_NXCV, W_NXCK, d_NXK1, KdT_NXKC, S0_XKV):
-        N = U_NXCV.shape[0]
-        W_NXCK, d_NXK1 = W_NXCK.contiguous(), d_NXK1.contiguous()
-        S_all, Vp_NXCV = _inter_chunk_forward(U_NXCV, W_NXCK, d_NXK1, KdT_NXKC, S0_XKV)
-        ctx.save_for_backward(W_NXCK, d_NXK1, KdT_NXKC, S_all, Vp_NXCV)
+    def forward(ctx, WU_NXCD, d_NXK1, KdT_NXKC, S0_XKV):
+        N = WU_NXCD.shape[0]
+        S_all, Vp_NXCV = _inter_chunk_forward(WU_NXCD, d_NXK1, KdT_NXKC, S0_XKV)
+        ctx.save_for_backward(WU_NXCD, d_NXK1, KdT_NXKC, S_all, Vp_NXCV)
         return S_all[:N], S_all[N].clone(), Vp_NXCV
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dS_prev, dS_final, dVp_NXCV):
-        W_NXCK, d_NXK1, KdT_NXKC, S_all, Vp_NXCV = ctx.saved_tensors
-        N = W_NXCK.shape[0]
+        WU_NXCD, d_NXK1, KdT_NXKC, S_all, Vp_NXCV = ctx.saved_tensors
+        N = WU_NXCD.shape[0]
         dS_prev = torch.zeros_like(S_all[:N]) if dS_prev is None else dS_prev
         dS_final = torch.zeros_like(S_all[N]) if dS_final is None else dS_final
         dVp_NXCV = torch.zeros_like(Vp_NXCV) if dVp_NXCV is None else dVp_NXCV
-        return _inter_chunk_backward(W_NXCK, d_NXK1, KdT_NXKC, S_all, Vp_NXCV, dS_prev, dS_final, dVp_NXCV)
+        return _inter_chunk_backward(WU_NXCD, d_NXK1, KdT_NXKC, S_all, Vp_NXCV, dS_prev, dS_final, dVp_NXCV)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous (a permuted gradient would send the
+    batched matmul backward into a per-matrix fallback)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dx):
+        return dx.contiguous()
+
+
+def _unit_lower_inverse(L_XCC: torch.Tensor, leaf: int = 8) -> torch.Tensor:
+    """(I + L)^-1 for strictly lower L [..., C, C], no autograd. Halves recursively (both diagonal halves in one
+    batched call; the off-diagonal block is -T22 L21 T11) down to `leaf`-sized triangular solves against I:
+    small batched matmuls are much faster on CPU than batched LAPACK solves of the full size."""
+    C = L_XCC.shape[-1]
+    if C <= leaf or C % 2:
+        eye_CC = torch.eye(C, dtype=L_XCC.dtype, device=L_XCC.device).expand_as(L_XCC)
+        return torch.linalg.solve_triangular(L_XCC, eye_CC, upper=False, unitriangular=True)
+    h = C // 2
+    T_X2hh = _unit_lower_inverse(torch.stack([L_XCC[..., :h, :h], L_XCC[..., h:, h:]], dim=-3), leaf)
+    T11, T22 = T_X2hh.unbind(-3)
+    T_XCC = L_XCC.new_zeros(L_XCC.shape)
+    T_XCC[..., :h, :h] = T11
+    T_XCC[..., h:, h:] = T22
+    T_XCC[..., h:, :h] = -(T22 @ (L_XCC[..., h:, :h] @ T11))
+    return T_XCC
+
+
+class _UnitLowerSolve(torch.autograd.Function):
+    """X = (I + L)^-1 R for strictly lower L [..., C, C] (the UT transform), via the explicit inverse.
+
+    Batched LAPACK triangular solves of many small systems run at a fraction of matmul speed on CPU: the inverse
+    (one solve against I, C right-hand sides) is formed once and reused, so the forward and the backward
+    (dR = T^T dX, dL = -tril(dR X^T, -1)) are matmuls.
+    """
+
+    @staticmethod
+    def forward(ctx, L_XCC, R_XCD):
+        T_XCC = _unit_lower_inverse(L_XCC)
+        X_XCD = T_XCC @ R_XCD
+        ctx.save_for_backward(T_XCC, X_XCD)
+        return X_XCD
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dX_XCD):
+        T_XCC, X_XCD = ctx.saved_tensors
+        dR_XCD = T_XCC.transpose(-1, -2) @ dX_XCD
+        dL_XCC = (dR_XCD @ X_XCD.transpose(-1, -2)).tril_(-1).neg_()
+        return dL_XCC, dR_XCD
 
 
 def _chunk_core(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, S_BHKV, chunk_size: int):
@@ -277,21 +394,20 @@ def _chunk_core(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, S_BHKV, chunk_size: in
     max_abs_g = float("inf") if float(g_max) > 0 else -float(g_min)
     G = g.cumsum(-2)  # [N, X, C, K] cumulative log decay inside each chunk
     A_qk, A_kk = _decayed_scores(q, k, G, _sub_block_size(C, max_abs_g, G.dtype))
-    eG = G.exp()  # <= 1
+    eG = _exp(G)  # <= 1
     qg, kg = q * eG, k * eG
 
     # UT transform: (I + Diag(beta) A_kk) [W U] = Diag(beta) [exp(G) K, V]
     rhs = torch.cat([kg, v], dim=-1) * beta_NXC.unsqueeze(-1)
-    WU = torch.linalg.solve_triangular(A_kk * beta_NXC.unsqueeze(-1), rhs, upper=False, unitriangular=True)
-    W_NXCK, U_NXCV = WU.split([K, V], dim=-1)
+    WU = _UnitLowerSolve.apply(A_kk * beta_NXC.unsqueeze(-1), rhs)
 
     # sequential part: one state step per chunk
     G_last_NXK = G[..., -1, :]
-    d_NXK1 = G_last_NXK.exp().unsqueeze(-1)
-    KdT_NXKC = (k * (G_last_NXK.unsqueeze(-2) - G).exp()).transpose(-1, -2)
-    S_prev_NXKV, S_XKV, Vp_NXCV = _InterChunkRecurrence.apply(U_NXCV, W_NXCK, d_NXK1, KdT_NXKC, S0_XKV)
+    d_NXK1 = _exp(G_last_NXK).unsqueeze(-1)
+    KdT_NXKC = (k * _exp(G_last_NXK.unsqueeze(-2) - G)).transpose(-1, -2)
+    S_prev_NXKV, S_XKV, Vp_NXCV = _InterChunkRecurrence.apply(WU, d_NXK1, KdT_NXKC, S0_XKV)
     o_NXCV = torch.baddbmm((qg @ S_prev_NXKV).flatten(0, 1), A_qk.flatten(0, 1), Vp_NXCV.flatten(0, 1))
-    o_NXCV = o_NXCV.view(N, B * H, C, V)
+    o_NXCV = _ContiguousGrad.apply(o_NXCV.view(N, B * H, C, V))
     return unchunk(o_NXCV), S_XKV.view(B, H, K, V)
 
 

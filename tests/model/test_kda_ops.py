@@ -115,6 +115,25 @@ def test_chunk_gradients_equal_autograd_through_recurrent(chunk_size, T, g_min):
         assert max_err(a, b) <= 1e-10, name
 
 
+@pytest.mark.parametrize("chunk_size", [16, 32, 64])
+def test_chunk_gradients_fp32_are_finite_and_match_the_oracle(chunk_size):
+    """fp32 with K3's gate range (g in (-5, 0)): a single-sub-block chunk once produced NaN gradients for g."""
+    (q, k, v, g, beta), S0 = make_inputs(B=1, T=77, H=2, K=16, V=8, dtype=torch.float32, g_min=-5.0)
+    gen = torch.Generator().manual_seed(2)
+    w_o = torch.randn(1, 77, 2, 8, generator=gen)
+
+    def grads(fn, dtype):
+        xs = [x.to(dtype).clone().requires_grad_() for x in (q, k, v, g, beta, S0)]
+        o, S = fn(*xs[:5], initial_state=xs[5], output_final_state=True, chunk_size=chunk_size)
+        ((o * w_o.to(dtype)).sum() + S.sum()).backward()
+        return [x.grad for x in xs]
+
+    for name, a, b in zip(["q", "k", "v", "g", "beta", "initial_state"], grads(chunk_kda, torch.float32),
+                          grads(recurrent_kda, torch.float64)):
+        assert torch.isfinite(a).all(), name
+        assert max_err(a.double(), b) <= 1e-4 * max(1.0, b.abs().max().item()), name
+
+
 # --------------------------------------------------------------------------------------------------------------
 # properties of the recurrence (spec §10 items 2-4)
 # --------------------------------------------------------------------------------------------------------------
