@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 import sys
 
@@ -82,17 +81,6 @@ def test_heatmap_columns_are_capped_for_k3_width():
     assert bucket_experts(torch.ones(92, 896), 256).shape == (92, 224)
 
 
-@pytest.fixture(scope="module")
-def real_run(tmp_path_factory):
-    """A real 1-process tiny training run (shared with test_generate_cli.py through the session's base temp dir)."""
-    run_dir = tmp_path_factory.getbasetemp() / "k3_real_tiny_run"
-    if not (run_dir / "summary.json").is_file():
-        env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-        r = subprocess.run([sys.executable, "-m", "training.train", "experiment=tiny_ci", f"run_dir={run_dir}",
-                            "logging.mode=disabled", "train.steps=4", "logging.heatmap_every=2"],
-                           env=env, capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-2000:]
-    return run_dir
 
 
 def test_report_renders_a_real_training_run(real_run, tmp_path):
