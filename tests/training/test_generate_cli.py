@@ -10,17 +10,6 @@ import torch
 from training.generate import main
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small-model compute on a shared 2-core box: one intra-op thread avoids oversubscription stalls."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-
-
 @pytest.fixture(scope="module")
 def hf_export(real_run, tmp_path_factory):
     from training.export import export_checkpoint

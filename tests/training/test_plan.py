@@ -15,15 +15,6 @@ K3 = ["model=k3", "deepspeed=zero3", "deepspeed.offload_optimizer=true", "parall
       "plan.nodes=32", "plan.gpus_per_node=8"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small-model compute on a shared 2-core box: one intra-op thread avoids oversubscription stalls."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _tiny(**kw) -> K3Config:
     return K3Config.preset("tiny", **kw)
 
