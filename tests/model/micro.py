@@ -1,6 +1,8 @@
 """A micro K3 config shared by the model tests: every layer kind, block AttnRes with a partial block, seconds to run."""
 from __future__ import annotations
 
+import torch
+
 from model.config import K3Config
 
 
@@ -13,3 +15,14 @@ def micro_config(**overrides) -> K3Config:
                 routed_expert_hidden_size=16, attn_res_block_size=2, kda_chunk_size=16)
     base.update(overrides)
     return K3Config(**base)
+
+
+@torch.no_grad()
+def exercise_every_path(model: torch.nn.Module) -> torch.nn.Module:
+    """Non-zero AttnRes pseudo-queries and router biases (both zero at init), so every path mixes and routes."""
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if name.endswith("_res_proj.weight"):
+            t.normal_()
+        elif name.endswith("e_score_correction_bias"):
+            t.normal_(std=0.05)
+    return model

@@ -7,7 +7,7 @@ import torch
 from model.generate import generate, main, sample_next
 from model.hf import save_hf_checkpoint
 from model.k3 import K3Cache, K3ForCausalLM
-from tests.model.micro import micro_config
+from tests.model.micro import exercise_every_path, micro_config
 
 
 
@@ -16,13 +16,8 @@ from tests.model.micro import micro_config
 def model() -> K3ForCausalLM:
     """fp32 random weights with larger-than-init scales so logits are far from uniform and decoding is sensitive."""
     torch.manual_seed(0)
-    m = K3ForCausalLM(micro_config()).eval()
+    m = exercise_every_path(K3ForCausalLM(micro_config()).eval())
     with torch.no_grad():
-        for name, t in list(m.named_parameters()) + list(m.named_buffers()):
-            if name.endswith("_res_proj.weight"):
-                t.normal_()
-            elif name.endswith("e_score_correction_bias"):
-                t.normal_(std=0.05)
         m.lm_head.weight.mul_(20)
     return m
 

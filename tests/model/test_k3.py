@@ -11,7 +11,7 @@ from model.k3 import K3Cache, K3ForCausalLM, _ChunkedCrossEntropy, causal_lm_los
 from model.kda import KDA
 from model.mla import GatedMLA
 from model.moe.layer import LatentMoE
-from tests.model.micro import micro_config
+from tests.model.micro import exercise_every_path, micro_config
 
 
 
@@ -19,14 +19,7 @@ from tests.model.micro import micro_config
 def random_model(cfg: K3Config | None = None, seed: int = 0) -> K3ForCausalLM:
     """fp64 model with non-zero AttnRes queries and router biases, so every path mixes and routes non-trivially."""
     torch.manual_seed(seed)
-    m = K3ForCausalLM(cfg or micro_config()).double().eval()
-    with torch.no_grad():
-        for name, t in list(m.named_parameters()) + list(m.named_buffers()):
-            if name.endswith("_res_proj.weight"):
-                t.normal_()
-            elif name.endswith("e_score_correction_bias"):
-                t.normal_(std=0.05)
-    return m
+    return exercise_every_path(K3ForCausalLM(cfg or micro_config()).double().eval())
 
 
 # --- structure ----------------------------------------------------------------------------------------------------
