@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -51,10 +52,10 @@ def test_resume_continues_the_same_wandb_run(offline_run):
     run_dir, first_id, second_id = offline_run
     assert first_id == second_id
     assert (run_dir / "wandb_run_id").read_text().strip() == first_id
-    # every offline run directory belongs to the one run id (both sessions may share a directory when they
-    # start within the same second: W&B names it offline-run-<YYYYmmdd_HHMMSS>-<id>)
+    # every offline run directory belongs to the one run id: W&B names them offline-run-<YYYYmmdd_HHMMSS>-<id>,
+    # adding -<n> when the resumed session starts within the same second
     runs = list((run_dir / "wandb").glob("offline-run-*"))
-    assert runs and all(p.name.endswith(f"-{first_id}") for p in runs)
+    assert runs and all(re.fullmatch(rf"offline-run-\d{{8}}_\d{{6}}-{first_id}(-\d+)?", p.name) for p in runs), runs
 
 
 def test_offline_wandb_run_contains_router_metrics(offline_run):
