@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -44,12 +45,20 @@ def fwd_bwd(fn: Callable[..., Any], xs: list[torch.Tensor], **kw: Any) -> Callab
     return step
 
 
-def load_fla_naive() -> Callable[..., Any] | None:
-    """fla's `naive_chunk_kda`, loaded from its file (importing fla.ops needs Triton); None if fla is absent."""
-    spec = importlib.util.find_spec("fla")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(list(spec.submodule_search_locations)[0]) / "ops" / "kda" / "naive.py"
+def load_fla_naive(fla_path: str | None = None) -> Callable[..., Any] | None:
+    """fla's `naive_chunk_kda`, loaded from its file (importing fla.ops needs Triton); None if fla is absent.
+
+    `fla_path`: a directory holding an unpacked fla-core wheel (`fla/ops/kda/naive.py`, and einops if it is not
+    installed), for a measurement without installing fla: it goes on sys.path for naive.py's own imports."""
+    if fla_path is not None:
+        sys.path.insert(0, fla_path)
+        root = Path(fla_path) / "fla"
+    else:
+        spec = importlib.util.find_spec("fla")
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        root = Path(list(spec.submodule_search_locations)[0])
+    path = root / "ops" / "kda" / "naive.py"
     if not path.is_file():
         return None
     mod_spec = importlib.util.spec_from_file_location("_fla_kda_naive", path)
@@ -72,11 +81,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--loop-reps", type=int, default=3, help="repetitions of the recurrent loop (slow)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
     ap.add_argument("--out", default="kda", help="results name: bench/results/<out>.json")
+    ap.add_argument("--fla-path", default=None,
+                    help="directory with an unpacked fla-core wheel (fla/ops/kda/naive.py; einops beside it if it is "
+                         "not installed) to time fla's naive_chunk_kda without installing fla")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    fla_naive = load_fla_naive()
+    fla_naive = load_fla_naive(args.fla_path)
     peak = peak_matmul_flops()
     rows = []
     for T in args.T:

@@ -1,0 +1,466 @@
+"""The chunked KDA core as one autograd node: WY/UT forward (spec §3) and its hand-written backward.
+
+Per chunk (chunk-major groups [n, X = B*H, C, D], copied from [B, T, H, D] group by group), with q scaled by the
+query scale, G = cumsum(g) and Gam = exp(G):
+
+    A_qk[r, i] = sum_c q_r exp(G_r - G_i) k_i  (i <= r)        A_kk: same with k_r, i < r
+    T = (I + Diag(beta) A_kk)^-1      W = T Diag(beta) (k Gam)      U = T Diag(beta) v
+    Vp_n = U_n - W_n S_n              S_{n+1} = Diag(exp(G_last)) S_n + Kd^T Vp_n,   Kd = k exp(G_last - G)
+    o_n = (q Gam) S_n + A_qk Vp_n
+
+Why one node: autograd through ~60 small batched ops costs more than the maths on CPU (transposed operands of
+elementwise backward ops, cat/copy of gradients, one node per op). The backward here is batched matmuls plus a
+few in-place elementwise passes; only the state recurrence runs per chunk (two matmuls each way). Chunks stream
+in groups of ~`GROUP_BYTES` per tensor: at T = 2048 whole-sequence tensors (2 MB each, ~30 of them) make every op
+run from DRAM at a third of its in-cache speed. The gradient of the cumulative decay G is gathered per position
+(q dq - k dk style terms, see `_DecayFactors`) and turned into dg by one reverse cumulative sum per chunk; the state
+path contributes sum_V dS_{n+1} * S_{n+1} to every position.
+"""
+from __future__ import annotations
+
+import torch
+
+# largest exponent one score factor may carry (fp32 max ~ e^88.7)
+EXP_LIMIT = {torch.float32: 80.0, torch.float64: 600.0}
+# smallest exponent worth evaluating: below it exp() is subnormal / zero, and CPU exp takes a ~30x slower path there
+EXP_FLOOR = {torch.float32: -87.0, torch.float64: -700.0}
+
+
+def sub_block_size(C: int, max_abs_g: float, dtype: torch.dtype) -> int:
+    """Largest divisor S of C whose half-block stays in range, (S // 2) * max|g| <= limit, or 0 (exact form)."""
+    limit = EXP_LIMIT[dtype]
+    for S in range(C, 1, -1):
+        if C % S == 0 and (S // 2) * max_abs_g <= limit:
+            return S
+    return 0
+
+
+def _exp_floored(x: torch.Tensor) -> torch.Tensor:
+    """exp(x) for x <= 0 terms whose underflow is harmless; the floor keeps CPU exp off its slow subnormal path.
+    Works in place on x (callers pass a fresh temporary)."""
+    return x.clamp_(min=EXP_FLOOR[x.dtype]).exp_()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# decay factors: exp(G_r - G_i) = P_r * Q_i, split so that no factor overflows
+# --------------------------------------------------------------------------------------------------------------
+class _BlockLower:
+    """A lower-triangular [..., C, C] matrix kept as its n_s diagonal S x S blocks ([..., n_s, S, S]) and, below
+    each diagonal block b < n_s - 1, the strip of all later rows in b's columns ([..., C - (b + 1) S, S]). With
+    C = 64 and two sub-blocks a quarter of every C x C product (the zero upper block) is never computed."""
+
+    def __init__(self, diag: torch.Tensor, strips: list[torch.Tensor]):
+        self.diag, self.strips = diag, strips
+        self.n_s, self.S = diag.shape[-3], diag.shape[-1]
+
+    def _blk(self, Z: torch.Tensor) -> torch.Tensor:  # [..., C, D] -> [..., n_s, S, D]
+        return Z.view(*Z.shape[:-2], self.n_s, self.S, Z.shape[-1])
+
+    def _rows(self, b: int) -> tuple[int, int]:  # strip b: rows r0.., columns r0 - S..r0
+        return (b + 1) * self.S, b * self.S
+
+    @staticmethod
+    def outer(terms: list[tuple[torch.Tensor, torch.Tensor, float]], n_s: int, diagonal: int) -> "_BlockLower":
+        """tril(sum_j alpha_j X_j Y_j^T, diagonal) for X_j, Y_j [..., C, D], only on the stored blocks."""
+        X0 = terms[0][0]
+        C = X0.shape[-2]
+        S = C // n_s
+        blk = lambda Z: Z.view(*Z.shape[:-2], n_s, S, Z.shape[-1]).flatten(0, -3)  # noqa: E731
+        X, Y, alpha = terms[0]
+        diag = torch.bmm(blk(X), blk(Y).transpose(-1, -2))
+        if alpha != 1.0:
+            diag.mul_(alpha)
+        for X, Y, alpha in terms[1:]:
+            diag.baddbmm_(blk(X), blk(Y).transpose(-1, -2), alpha=alpha)
+        diag = diag.view(*X0.shape[:-2], n_s, S, S).tril_(diagonal)
+        strips = []
+        for b in range(n_s - 1):
+            r0, c0 = (b + 1) * S, b * S
+            X, Y, alpha = terms[0]
+            St = X[..., r0:, :] @ Y[..., c0:r0, :].transpose(-1, -2)
+            if alpha != 1.0:
+                St.mul_(alpha)
+            for X, Y, alpha in terms[1:]:
+                St.flatten(0, -3).baddbmm_(X[..., r0:, :].flatten(0, -3),
+                                           Y[..., c0:r0, :].flatten(0, -3).transpose(-1, -2), alpha=alpha)
+            strips.append(St)
+        return _BlockLower(diag, strips)
+
+    def mm(self, Z: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
+        """M @ Z for Z [..., C, D] (added into `acc` when given)."""
+        if acc is None:
+            Y = torch.matmul(self.diag, self._blk(Z)).view_as(Z)
+        else:
+            Y = acc
+            self._blk(Y).flatten(0, -3).baddbmm_(self.diag.flatten(0, -3), self._blk(Z).flatten(0, -3))
+        for b, St in enumerate(self.strips):
+            r0, c0 = self._rows(b)
+            Y[..., r0:, :] += St @ Z[..., c0:r0, :]
+        return Y
+
+    def mm_t(self, Z: torch.Tensor) -> torch.Tensor:
+        """M^T @ Z for Z [..., C, D]."""
+        Y = torch.matmul(self.diag.transpose(-1, -2), self._blk(Z)).view_as(Z)
+        for b, St in enumerate(self.strips):
+            r0, c0 = self._rows(b)
+            Y[..., c0:r0, :] += St.transpose(-1, -2) @ Z[..., r0:, :]
+        return Y
+
+    def scale_rows_(self, beta: torch.Tensor) -> "_BlockLower":
+        """Diag(beta) M in place, beta [..., C]."""
+        self.diag.mul_(beta.view(*beta.shape[:-1], self.n_s, self.S, 1))
+        for b, St in enumerate(self.strips):
+            St.mul_(beta[..., self._rows(b)[0]:, None])
+        return self
+
+    def scale_rows(self, beta: torch.Tensor) -> "_BlockLower":
+        return _BlockLower(self.diag * beta.view(*beta.shape[:-1], self.n_s, self.S, 1),
+                           [St * beta[..., self._rows(b)[0]:, None] for b, St in enumerate(self.strips)])
+
+    def row_dot(self, other: "_BlockLower") -> torch.Tensor:
+        """sum_i M[r, i] O[r, i] per row r: [..., C]."""
+        out = (self.diag * other.diag).sum(-1).flatten(-2)
+        for b, (St, Ot) in enumerate(zip(self.strips, other.strips)):
+            out[..., self._rows(b)[0]:] += (St * Ot).sum(-1)
+        return out
+
+    def unit_inverse(self) -> "_BlockLower":
+        """(I + M)^-1 for strictly lower M, blockwise: T_bb = (I + M_bb)^-1 for all diagonal blocks at once, then
+        from the last strip back, T[after b, b] = -T[after b, after b] M[after b, b] T_bb."""
+        Td = unit_lower_inverse(self.diag)
+        strips: list[torch.Tensor] = [None] * len(self.strips)  # type: ignore[list-item]
+        S = self.S
+        for b in range(self.n_s - 2, -1, -1):
+            r0 = (b + 1) * S
+            Z = self.strips[b] @ Td[..., b, :, :]  # [..., C - r0, S]
+            Y = torch.matmul(Td[..., b + 1:, :, :], Z.view(*Z.shape[:-2], self.n_s - b - 1, S, S)).view_as(Z)
+            for b2 in range(b + 1, self.n_s - 1):
+                r2 = (b2 + 1) * S
+                Y[..., r2 - r0:, :] += strips[b2] @ Z[..., r2 - S - r0:r2 - r0, :]
+            strips[b] = Y.neg_()
+        return _BlockLower(Td, strips)
+
+
+class _DecayFactors:
+    """exp(G_r - G_i) on the causal part (i <= r) of a chunk, as products of a row and a column factor.
+
+    Rows are split in n_s sub-blocks of S rows. Diagonal blocks split the exponent at the block's middle row m:
+    P = exp(G_r - G_m), Q = exp(G_m - G_i) = 1 / P, both within exp(+-(S // 2) max|g|) <= exp(limit) (entries
+    above the diagonal may overflow in the score matmul; `tril` drops them). The strip below diagonal block b
+    (all later rows, columns of b) splits at b's last row e: exp(G_r - G_e) and exp(G_e - G_i) are both <= 1
+    (g <= 0), so flooring them changes nothing that matters. S == 0 (growth, or decay too strong even for
+    S = 2): one block with the exact [C, C, K] factor D = exp(G_r - G_i), zero above the diagonal.
+
+    Three products serve the forward scores and all four backward terms: with M a causal weight matrix,
+        scores:   A[r, i]  = sum_c (a P)_r (b Q)_i
+        rows:     Y_r      = sum_i M[r, i] exp(G_r - G_i) Z_i  = P_r (M (Q Z))_r
+        columns:  Y_i      = sum_r M[r, i] exp(G_r - G_i) Z_r  = Q_i (M^T (P Z))_i
+    and dG_r += a_r * (grad of a_r), dG_i -= b_i * (grad of b_i) turns them into gradients of G.
+    """
+
+    def __init__(self, G: torch.Tensor, S: int):
+        *lead, C, K = G.shape
+        self.exact = S == 0
+        self.G = G if self.exact else None  # the exact form's last_row_decay needs it
+        self.S = C if self.exact else S
+        self.n_s = C // self.S
+        if self.exact:
+            causal = torch.ones(C, C, dtype=torch.bool, device=G.device).tril()
+            diff = G.unsqueeze(-2) - G.unsqueeze(-3)  # [..., r, i, K] = G_r - G_i
+            self.D = torch.where(causal[:, :, None], diff, torch.full_like(diff, -torch.inf)).exp_()
+            return
+        G_blk = G.view(*lead, self.n_s, S, K)
+        self.P = (G_blk - G_blk[..., S // 2:S // 2 + 1, :]).exp_().view_as(G)  # [..., C, K]
+        self.Q = torch.reciprocal(self.P)
+        self.strips = []  # (P_s [..., C - r0, K], Q_s [..., S, K]) below diagonal block b, r0 = (b + 1) S
+        for b in range(self.n_s - 1):
+            r0 = (b + 1) * S
+            G_e = G[..., r0 - 1:r0, :]
+            self.strips.append([_exp_floored(G[..., r0:, :] - G_e), _exp_floored(G_e - G[..., r0 - S:r0, :])])
+
+    def _blk(self, x: torch.Tensor) -> torch.Tensor:
+        return x.view(*x.shape[:-2], self.n_s, self.S, x.shape[-1])
+
+    # ---- products of the inputs with the factors (saved by the forward for the backward)
+    def rows(self, a: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        if self.exact:
+            return a, []
+        return a * self.P, [a[..., (b + 1) * self.S:, :] * P_s for b, (P_s, _) in enumerate(self.strips)]
+
+    def cols(self, b: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        if self.exact:
+            return b, []
+        S = self.S
+        return b * self.Q, [b[..., j * S:(j + 1) * S, :] * Q_s for j, (_, Q_s) in enumerate(self.strips)]
+
+    # ---- the three operations
+    def scores(self, aP, aP_s, bQ, bQ_s, diagonal: int) -> _BlockLower:
+        """A (lower triangle from `diagonal`) from the row products of a and the column products of b."""
+        if self.exact:
+            A = (aP.unsqueeze(-2) * self.D * bQ.unsqueeze(-3)).sum(-1).tril_(diagonal)
+            return _BlockLower(A.unsqueeze(-3), [])
+        diag = torch.matmul(self._blk(aP), self._blk(bQ).transpose(-1, -2)).tril_(diagonal)
+        return _BlockLower(diag, [a_s @ b_s.transpose(-1, -2) for a_s, b_s in zip(aP_s, bQ_s)])
+
+    def row_apply(self, M: _BlockLower, bQ, bQ_s, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Y_r = sum_i M[r, i] exp(G_r - G_i) b_i (written into `out` when given)."""
+        if self.exact:
+            return torch.sum(M.diag.squeeze(-3).unsqueeze(-1) * self.D * bQ.unsqueeze(-3), -2, out=out)
+        Y = torch.matmul(M.diag, self._blk(bQ), out=None if out is None else self._blk(out))
+        Y = Y.view_as(bQ).mul_(self.P)
+        for b, ((P_s, _), St, b_s) in enumerate(zip(self.strips, M.strips, bQ_s)):
+            Y[..., (b + 1) * self.S:, :].addcmul_(P_s, St @ b_s)
+        return Y
+
+    def col_apply(self, Ms: list[_BlockLower], aPs: list[tuple[torch.Tensor, list[torch.Tensor]]]) -> torch.Tensor:
+        """Y_i = sum_j sum_r M_j[r, i] exp(G_r - G_i) a_j,r (summed over the pairs j)."""
+        if self.exact:
+            return sum((M.diag.squeeze(-3).unsqueeze(-1) * self.D * aP.unsqueeze(-2)).sum(-3)
+                       for M, (aP, _) in zip(Ms, aPs))
+        Y = torch.matmul(Ms[0].diag.transpose(-1, -2), self._blk(aPs[0][0]))
+        for M, (aP, _) in zip(Ms[1:], aPs[1:]):
+            Y.flatten(0, -3).baddbmm_(M.diag.transpose(-1, -2).flatten(0, -3), self._blk(aP).flatten(0, -3))
+        Y = Y.view_as(aPs[0][0]).mul_(self.Q)
+        S = self.S
+        for j, (_, Q_s) in enumerate(self.strips):
+            acc = Ms[0].strips[j].transpose(-1, -2) @ aPs[0][1][j]
+            for M, (_, a_s) in zip(Ms[1:], aPs[1:]):
+                acc.flatten(0, -3).baddbmm_(M.strips[j].transpose(-1, -2).flatten(0, -3), a_s[j].flatten(0, -3))
+            Y[..., j * S:(j + 1) * S, :].addcmul_(Q_s, acc)
+        return Y
+
+    def last_row_decay(self) -> torch.Tensor:
+        """E = exp(G_last - G) [..., C, K] (<= 1) from the factors (no extra exp pass; exact form: from G)."""
+        if self.exact:
+            return _exp_floored(self.G[..., -1:, :] - self.G)
+        S = self.S
+        E = torch.empty_like(self.P)
+        # last block: exp(G_last - G_m) exp(G_m - G_i), both within range
+        torch.mul(self.Q[..., -S:, :], self.P[..., -1:, :], out=E[..., -S:, :])
+        # earlier blocks: exp(G_last - G_e) exp(G_e - G_i), both <= 1 (an underflowed factor means a tiny product)
+        for j, (P_s, Q_s) in enumerate(self.strips):
+            torch.mul(Q_s, P_s[..., -1:, :], out=E[..., j * S:(j + 1) * S, :])
+        return E
+
+
+# --------------------------------------------------------------------------------------------------------------
+# (I + L)^-1 for the UT transform
+# --------------------------------------------------------------------------------------------------------------
+def unit_lower_inverse(L_XCC: torch.Tensor, leaf: int = 32) -> torch.Tensor:
+    """(I + L)^-1 for strictly lower L [..., C, C]. Halves recursively (both diagonal halves in one batched call;
+    the off-diagonal block is -T22 L21 T11) down to `leaf`-sized triangular solves against I: small batched
+    matmuls are much faster on CPU than batched LAPACK solves of the full size."""
+    C = L_XCC.shape[-1]
+    if C <= leaf or C % 2:
+        eye_CC = torch.eye(C, dtype=L_XCC.dtype, device=L_XCC.device).expand_as(L_XCC)
+        return torch.linalg.solve_triangular(L_XCC, eye_CC, upper=False, unitriangular=True)
+    h = C // 2
+    T_X2hh = unit_lower_inverse(torch.stack([L_XCC[..., :h, :h], L_XCC[..., h:, h:]], dim=-3), leaf)
+    T11, T22 = T_X2hh.unbind(-3)
+    T_XCC = L_XCC.new_zeros(L_XCC.shape)
+    T_XCC[..., :h, :h] = T11
+    T_XCC[..., h:, h:] = T22
+    torch.matmul(T22, L_XCC[..., h:, :h] @ T11, out=T_XCC[..., h:, :h])
+    T_XCC[..., h:, :h].neg_()
+    return T_XCC
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the autograd node
+# --------------------------------------------------------------------------------------------------------------
+# chunks per group: per-tensor group slices of about this many bytes keep one group's working set (~30 tensors)
+# in L3; smaller groups pay more per-op dispatch than they save (measured on the benchmark machine)
+GROUP_BYTES = 256 * 1024
+
+
+def _forward_group(q, k, v, g, beta, S_all, n0: int, S: int, scale: float) -> tuple[torch.Tensor, tuple]:
+    """Forward of chunks n0..n0+len(q) (q, k, v, g, beta: that group's [n, X, C, *] slices). Reads the state
+    S_all[n0], writes S_all[n0 + 1..]; returns the group's output [n, X, C, V] (q comes in unscaled, o includes
+    the query scale) and what its backward needs."""
+    N = q.shape[0]
+    G = g.cumsum(-2)  # [n, X, C, K]
+    dec = _DecayFactors(G, S)
+    qP, kP, kQ = dec.rows(q), dec.rows(k), dec.cols(k)
+    A_qk = dec.scores(*qP, *kQ, diagonal=0)  # causal [C, C] per chunk, block form
+    A_kk = dec.scores(*kP, *kQ, diagonal=-1)
+    Gam = _exp_floored(G.clone())  # exp(G) (<= 1 for g <= 0)
+    E = dec.last_row_decay()  # exp(G_last - G)
+    qg = q * Gam
+    X0 = torch.cat([k * Gam, v], dim=-1)  # [kg | v]  [n, X, C, K + V]
+    beta1 = beta.unsqueeze(-1)
+    Tm = A_kk.scale_rows(beta).unit_inverse()  # (I + Diag(beta) A_kk)^-1
+    WU = Tm.mm(X0 * beta1)  # [W | U] = T Diag(beta) [kg | v]
+    K = q.shape[-1]
+    W, U = WU[..., :K], WU[..., K:]  # strided views: BLAS takes them as they are
+    d = Gam[..., -1, :].unsqueeze(-1)  # exp(G_last) [n, X, K, 1]
+    Kd = k * E  # [n, X, C, K]
+    Vp = torch.empty_like(U, memory_format=torch.contiguous_format)  # pseudo-values U - W S
+    for i in range(N):
+        n = n0 + i
+        torch.baddbmm(U[i], W[i], S_all[n], alpha=-1, out=Vp[i])
+        torch.baddbmm(d[i] * S_all[n], Kd[i].transpose(-1, -2), Vp[i], out=S_all[n + 1])
+    o = A_qk.mm(Vp, acc=qg @ S_all[n0:n0 + N])
+    if scale != 1.0:
+        o.mul_(scale)
+    dec.Q = None  # cheap products are recomputed in the backward: saving them costs more (DRAM traffic)
+    return o, [q, k, beta, Gam, X0, WU, Vp, dec, A_qk, A_kk, Tm]
+
+
+def _backward_group(saved: tuple, S_all, dS_all, n0: int, do, outs) -> None:
+    """Backward of one group (groups run last to first): reads dS_all[n0 + n], writes dS_all[n0..n0 + n - 1] and
+    the group's slices of the input gradients `outs` = (dq, dk, dv, dg, dbeta)."""
+    q, k, beta, Gam, X0, WU, Vp, dec, A_qk, A_kk, Tm = saved
+    N, K = q.shape[0], q.shape[-1]
+    dec.Q = torch.reciprocal(dec.P) if not dec.exact else None
+    qg = q * Gam
+    E = dec.last_row_decay()
+    Kd = k * E
+    W = WU[..., :K]
+    S_prev, S_next = S_all[n0:n0 + N], S_all[n0 + 1:n0 + N + 1]
+    dq_o, dk_o, dv_o, dg_o, dbeta_o = outs
+
+    # output o = qg S_prev + A_qk Vp (do arrives multiplied by the query scale)
+    dA_qk = _BlockLower.outer([(do, Vp, 1.0)], dec.n_s, diagonal=0)
+    dVp = A_qk.mm_t(do)  # becomes the total gradient of Vp in the loop
+    dqg = do @ S_prev.transpose(-1, -2)
+    torch.matmul(qg.transpose(-1, -2), do, out=dS_all[n0:n0 + N])
+    # the state recurrence, backwards
+    d = Gam[..., -1, :].unsqueeze(-1)
+    for i in range(N - 1, -1, -1):
+        n = n0 + i
+        dVp[i].baddbmm_(Kd[i], dS_all[n + 1])
+        dS_all[n].addcmul_(d[i], dS_all[n + 1]).baddbmm_(W[i].transpose(-1, -2), dVp[i], alpha=-1)
+    dS_next = dS_all[n0 + 1:n0 + N + 1]
+    dKd = Vp @ dS_next.transpose(-1, -2)  # [n, X, C, K]
+    # whole-chunk decay exp(G_last) of the state path: sum_V dS_{n+1} S_{n+1} to every position (see dg)
+    dG_last = (dS_next * S_next).sum(-1)  # [n, X, K]
+
+    # UT transform: [W | U] = T Diag(beta) X0, X0 = [kg | v]; dW = -dVp S^T, dU = dVp
+    dR = Tm.mm_t(torch.cat([(dVp @ S_prev.transpose(-1, -2)).neg_(), dVp], dim=-1))  # T^T [dW | dU]
+    dL = _BlockLower.outer([(dR, WU, -1.0)], dec.n_s, diagonal=-1)  # gradient of Diag(beta) A_kk
+    beta1 = beta.unsqueeze(-1)
+    torch.add((dR * X0).sum(-1), dL.row_dot(A_kk), out=dbeta_o)
+    torch.mul(dR[..., K:], beta1, out=dv_o)
+    dkg = dR[..., :K].mul_(beta1)  # gradient of kg
+    dA_kk = dL.scale_rows_(beta)
+    qP, kP, kQ = dec.rows(q), dec.rows(k), dec.cols(k)
+
+    # decayed scores
+    dq = dec.row_apply(dA_qk, *kQ, out=dq_o)
+    dk_row = dec.row_apply(dA_kk, *kQ)
+    dk_col = dec.col_apply([dA_qk, dA_kk], [qP, kP])
+    # assemble: dq, dk, dG (dG_r = q dq + k (row-side terms) - k (column-side terms))
+    dq.addcmul_(Gam, dqg)
+    dk_pos = dk_row.addcmul_(Gam, dkg)  # + kg path
+    dk_neg = dk_col.addcmul_(E, dKd)  # + Kd path (exp(G_last - G))
+    dG = q * dq
+    dG.addcmul_(k, dk_pos).addcmul_(k, dk_neg, value=-1)
+    torch.add(dk_pos, dk_neg, out=dk_o)
+    # dg_r = sum_{r' >= r} dG_r' + dG_last = total - cumsum_r + dG_r + dG_last
+    total = dG.sum(-2, keepdim=True).add_(dG_last.unsqueeze(-2))
+    torch.add(dG.sub_(dG.cumsum(-2)), total, out=dg_o)
+
+
+def _group_view(x: torch.Tensor, n0: int, n1: int, C: int) -> torch.Tensor:
+    """[B, T, H, D] -> view [n, B, H, C, D] of chunks n0..n1 (chunk-major; B, H merge into X on reshape)."""
+    B, _, H, D = x.shape
+    return x[:, n0 * C:n1 * C].view(B, n1 - n0, C, H, D).permute(1, 0, 3, 2, 4)
+
+
+def _to_group(x: torch.Tensor, n0: int, n1: int, C: int) -> torch.Tensor:
+    """Chunks n0..n1 of x [B, T, H, D] as [n, X, C, D] (X = B * H), contiguous (a copy unless B = H = 1)."""
+    B, _, H, D = x.shape
+    v = x[:, n0 * C:n1 * C].reshape(B, n1 - n0, C, H, D).permute(1, 0, 3, 2, 4)
+    return v.reshape(n1 - n0, B * H, C, D)
+
+
+def _tensor_slots(obj):
+    """(container, key) of every tensor slot (a tensor or None) in a group's saved list, its factor and block
+    objects included, so that all of them go through ctx.save_for_backward (saved-tensor hooks: memory
+    accounting, checkpointing). The structure is never changed, so the slots come in the same order again."""
+    items = enumerate(obj) if isinstance(obj, list) else vars(obj).items()
+    for key, x in items:
+        if x is None or isinstance(x, torch.Tensor):
+            yield obj, key
+        elif isinstance(x, (list, _DecayFactors, _BlockLower)):
+            yield from _tensor_slots(x)
+
+
+def _get(container, key):
+    return container[key] if isinstance(container, list) else getattr(container, key)
+
+
+def _set(container, key, value) -> None:
+    if isinstance(container, list):
+        container[key] = value
+    else:
+        setattr(container, key, value)
+
+
+class ChunkKDA(torch.autograd.Function):
+    """(q, k, v, g, beta, S0, C, S, scale) -> (o [B, T, H, V], S_N [X, K, V]) for q, k, g [B, T, H, K],
+    v [B, T, H, V], beta [B, T, H] with T a multiple of the chunk size C, S0 [X = B * H, K, V]. S: the sub-block
+    size (`sub_block_size`); q comes unscaled, o is the attention of (scale q).
+
+    Chunks are processed in groups of about `GROUP_BYTES` per tensor (forward first to last, backward last to
+    first, the state carried between groups); each group is copied into the chunk-major layout [n, X, C, D] when
+    it is needed, and its results are written back to [B, T, H, D] while they are still in cache."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, S0, C: int, S: int, scale: float):
+        B, T, H, K = q.shape
+        N = T // C
+        step = max(1, GROUP_BYTES // max(B * H * C * K * q.element_size(), 1))
+        S_all = q.new_empty(N + 1, *S0.shape)  # states at chunk starts, and the final one
+        S_all[0] = S0
+        o = v.new_empty(v.shape)
+        ctx.groups = []
+        for n0 in range(0, N, step):
+            n1 = min(N, n0 + step)
+            xs = [_to_group(x, n0, n1, C) for x in (q, k, v, g)]
+            beta_g = _to_group(beta.unsqueeze(-1), n0, n1, C).squeeze(-1)
+            o_g, saved = _forward_group(*xs, beta_g, S_all, n0, S, scale)
+            _group_view(o, n0, n1, C).copy_(o_g.view(n1 - n0, B, H, C, -1))
+            ctx.groups.append((n0, n1, saved))
+        ctx.C, ctx.BH, ctx.scale = C, (B, H), scale
+        tensors = []  # the groups keep their structure; their tensors travel through save_for_backward
+        for _, _, saved in ctx.groups:
+            for container, key in _tensor_slots(saved):
+                tensors.append(_get(container, key))
+                _set(container, key, None)
+        ctx.save_for_backward(S_all, *tensors)
+        return o, S_all[N].clone()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, dS_N):
+        S_all, *tensors = ctx.saved_tensors
+        slots = [slot for _, _, saved in ctx.groups for slot in _tensor_slots(saved)]
+        for (container, key), t in zip(slots, tensors):  # the slots are the ones emptied in forward, in order
+            _set(container, key, t)
+        N = S_all.shape[0] - 1
+        C, (B, H) = ctx.C, ctx.BH
+        q = ctx.groups[0][2][0]
+        X, K, V = S_all.shape[1:]
+        T = N * C
+        dS_all = torch.empty_like(S_all)  # gradient of every state S_0..S_N
+        dS_all[N] = 0 if dS_N is None else dS_N
+        dq, dk, dg = (q.new_empty(B, T, H, K) for _ in range(3))
+        dv = q.new_empty(B, T, H, V)
+        dbeta = q.new_empty(B, T, H)
+        for n0, n1, saved in reversed(ctx.groups):
+            n = n1 - n0
+            if do is None:
+                do_g = q.new_zeros(n, X, C, V)
+            else:
+                do_g = _to_group(do, n0, n1, C)
+                if ctx.scale != 1.0:  # in place only on a copy, never on the incoming gradient
+                    aliased = do_g.untyped_storage().data_ptr() == do.untyped_storage().data_ptr()
+                    do_g = do_g * ctx.scale if aliased else do_g.mul_(ctx.scale)
+            outs = tuple(torch.empty(n, X, C, D, dtype=q.dtype, device=q.device) for D in (K, K, V, K))
+            outs += (q.new_empty(n, X, C),)
+            _backward_group(saved, S_all, dS_all, n0, do_g, outs)
+            for full, g_ in zip((dq, dk, dv, dg), outs):
+                _group_view(full, n0, n1, C).copy_(g_.view(n, B, H, C, -1))
+            _group_view(dbeta.unsqueeze(-1), n0, n1, C).copy_(outs[4].view(n, B, H, C, 1))
+        return dq, dk, dv, dg, dbeta, dS_all[0], None, None, None
