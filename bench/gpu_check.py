@@ -94,7 +94,7 @@ def train_check(seq: int, batch: int, steps: int, dev: str = "cuda", preset: str
     from model import K3Config, K3ForCausalLM
     from training.metrics.flops import flops_per_token
     from training.metrics.system import gpu_peak_flops
-    from training.plan import Hardware, Layout, plan
+    from training.plan import Hardware, Layout, peak_bytes, plan
 
     cfg = K3Config.preset(preset)
     torch.manual_seed(0)
@@ -123,9 +123,11 @@ def train_check(seq: int, batch: int, steps: int, dev: str = "cuda", preset: str
     measured = peak_matmul_flops(n_mm, reps=5, dtype=torch.bfloat16, device=dev)
     est = plan(cfg, Layout(zero_stage=0, micro_batch_size=batch, seq_len=seq, precision="bf16", reduce_bucket_size=0),
                Hardware(nodes=1, gpus_per_node=1, reserve_gb=0.0, attention="flash"))
-    # the planner counts fp32 master weights + Adam state (12 B/param); this check keeps bf16 AdamW state (4 B)
+    # the planner counts fp32 master weights + Adam state (12 B/param); this check keeps bf16 AdamW state (4 B) and,
+    # as plain PyTorch with set_to_none, creates the gradients during backward (they do not persist)
     n = sum(p.numel() for p in model.parameters())
-    est_b = est["gpu_memory_gb"]["total"] * 1e9 - n * (12 - 4)
+    terms = {k: v * 1e9 for k, v in est["gpu_memory_gb"].items() if k != "total"} | {"optimizer": n * 4.0}
+    est_b = peak_bytes(terms, grads_persist=False)
     return [
         {"check": f"{preset} train step bf16 B={batch} T={seq}", "value": t.median, "unit": "s", "spread": t.spread,
          "note": f"{tok_s:,.0f} tokens/s"},

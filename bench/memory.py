@@ -3,15 +3,19 @@
     DS_ACCELERATOR=cpu .venv/bin/python -m bench.memory                       # tiny 256..2048, small 1024
     DS_ACCELERATOR=cpu .venv/bin/python -m bench.memory --cases tiny:512
 
-Each case runs in a fresh child process (so the OS peak-RSS counter belongs to that case alone): imports, then
-the RSS baseline, then model + AdamW, two train steps (fwd + CE + bwd + AdamW; the first allocates the optimizer
-state). Two comparisons, each a ratio measured/estimated (goal: within 10%):
+Each case runs in a fresh child process: imports, the baseline, then model + AdamW, two train steps (fwd + CE +
+bwd + AdamW; the first allocates the optimizer state). Comparisons, each a ratio measured / estimated (goal: within
+10%):
 - activations: bytes autograd saves for backward in one forward (saved_tensors_hooks, each storage counted once)
   vs `training.activations.activation_bytes` (fp32, attention='flash': see ATTENTION);
-- peak: peak RSS over the steps minus the pre-model baseline vs `training.plan.plan` total for the same layout
-  (1 process, ZeRO-0, fp32, no buffers/reserve): weights + grads + AdamW state + activations. The peak also
-  holds transients the planner does not model (the logits gradient, the backward's working set), reported as
-  the residual; `fwd_end` (RSS after the first forward: weights + saved activations) locates it.
+- peak (the goal): the peak of tensor bytes over the steps vs `training.plan.plan`'s total for the same layout
+  (1 process, ZeRO-0, fp32, no buffers/reserve): weights + AdamW state + max(activations + loss backward, grads).
+  Tensor bytes = glibc's in-use heap (`mallinfo2`, sampled every 0.2 ms by a thread; with a fixed 128 KiB mmap
+  threshold every tensor above it is its own mapping: the CPU analogue of `torch.cuda.max_memory_allocated`)
+  minus the heap that is not tensors (`runtime_heap`: BLAS/oneDNN workspaces and autograd bookkeeping, measured
+  after the steps as the heap left besides weights and AdamW state);
+- rss: peak RSS minus the pre-model baseline and the process's runtime growth (`runtime`: that heap plus library
+  pages mapped lazily by the first kernels; on a GPU the planner's `reserve` covers the like), for completeness.
 """
 from __future__ import annotations
 
@@ -27,8 +31,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CASES = ("tiny:256", "tiny:1024", "tiny:2048", "small:1024")
 GB = 1e9
-# MLA without packed documents runs PyTorch's CPU flash kernel (model/mla.py pads v to the q/k head dim for it):
-# it keeps the log-sum-exp, not the T x T probabilities, so the planner's "flash" attention term applies
+# MLA runs PyTorch's CPU flash kernel (model/mla.py pads v to the q/k head dim for it, one call per packed
+# document): it keeps the log-sum-exp, not the T x T probabilities, so the planner's "flash" attention term applies
 ATTENTION = "flash"
 
 
@@ -46,48 +50,59 @@ def child(preset: str, seq_len: int) -> dict[str, float]:
 
     from model import K3Config, K3ForCausalLM
     from training.activations import activation_bytes
+    from training.metrics.heap import HeapPeak
     from training.plan import Hardware, Layout, plan
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     cfg = K3Config.preset(preset)
     ids_BT = torch.randint(0, cfg.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(0))
     base = _rss_bytes()
+    heap = HeapPeak()
     torch.manual_seed(0)
-    model = K3ForCausalLM(cfg).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    n_params = sum(p.numel() for p in model.parameters())
+    with heap:
+        model = K3ForCausalLM(cfg).train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        n_params = sum(p.numel() for p in model.parameters())
 
-    # saved activations of one forward, each storage once (views of one tensor share it)
-    seen: dict[int, int] = {}
+        # saved activations of one forward, each storage once (views of one tensor share it)
+        seen: dict[int, int] = {}
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.device.type == "cpu" and not isinstance(t, torch.nn.Parameter):
-            st = t.untyped_storage()
-            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
-        return t
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.device.type == "cpu" and not isinstance(t, torch.nn.Parameter):
+                st = t.untyped_storage()
+                seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+            return t
 
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    for step in range(2):
-        if step == 0:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        for step in range(2):
+            if step == 0:
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    loss = model(ids_BT, labels=ids_BT).loss
+                after_fwd = _rss_bytes() - base  # weights + saved activations (+ allocator slack), before backward
+            else:
                 loss = model(ids_BT, labels=ids_BT).loss
-            after_fwd = _rss_bytes() - base  # weights + saved activations (+ allocator slack), before backward
-        else:
-            loss = model(ids_BT, labels=ids_BT).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        model.update_balance()
+            loss.backward()
+            del loss
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            model.update_balance()
+        heap_end = heap.now()
+        # heap that is not tensors: what remains after the steps besides weights + AdamW's m, v (grads are freed)
+        # is BLAS / oneDNN workspace and autograd bookkeeping, a constant of the process like the CUDA context
+        runtime_heap = heap_end - 3 * 4 * n_params
+        runtime = (_rss_bytes() - base) - heap_end  # non-heap RSS growth: lazily mapped libraries
     saved = sum(b for ptr, b in seen.items() if ptr not in params)
-    peak = _peak_rss_bytes() - base
+    peak_rss = _peak_rss_bytes() - base
     est_act = activation_bytes(cfg, 1, seq_len, 4, False, ATTENTION)["total"]
     p = plan(cfg, Layout(zero_stage=0, micro_batch_size=1, seq_len=seq_len, precision="fp32", reduce_bucket_size=0),
              Hardware(nodes=1, gpus_per_node=1, reserve_gb=0.0, attention=ATTENTION))
     est_total = p["gpu_memory_gb"]["total"] * GB
     return {"params_M": n_params / 1e6, "static_GB": n_params * 16 / GB, "saved_act_GB": saved / GB,
-            "est_act_GB": est_act / GB, "act_ratio": saved / est_act, "peak_GB": peak / GB,
-            "fwd_end_GB": after_fwd / GB, "est_total_GB": est_total / GB, "peak_ratio": peak / est_total,
-            "residual_GB": (peak - est_total) / GB}
+            "est_act_GB": est_act / GB, "act_ratio": saved / est_act, "fwd_end_GB": after_fwd / GB,
+            "peak_heap_GB": heap.peak / GB, "runtime_heap_GB": runtime_heap / GB,
+            "peak_tensors_GB": (heap.peak - runtime_heap) / GB, "est_total_GB": est_total / GB,
+            "peak_ratio": (heap.peak - runtime_heap) / est_total, "peak_rss_GB": peak_rss / GB,
+            "runtime_GB": (runtime + runtime_heap) / GB, "rss_ratio": (peak_rss - runtime - runtime_heap) / est_total}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -117,7 +132,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{case}: {rows[-1]}", flush=True)
     print_table("train-step memory, measured vs planner (fp32, batch 1, 1 process; GB = 1e9 B; goal ratio 0.9..1.1)",
                 rows, ["preset", "seq_len", "params_M", "static_GB", "saved_act_GB", "est_act_GB", "act_ratio",
-                       "fwd_end_GB", "peak_GB", "est_total_GB", "peak_ratio", "residual_GB"])
+                       "peak_heap_GB", "runtime_heap_GB", "peak_tensors_GB", "est_total_GB", "peak_ratio", "peak_rss_GB",
+                       "runtime_GB", "rss_ratio"])
     payload = {"rows": rows}
     print(f"wrote {write_json('memory', payload)}")
     return payload

@@ -87,7 +87,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         rows = ctx.rows
         for s in range(0, logits_ND.shape[0], rows):
             t_C = targets_N[s:s + rows]
-            p_CD = torch.exp(upcast(logits_ND[s:s + rows]) - lse_N[s:s + rows].unsqueeze(-1))  # softmax
+            # softmax, exponentiated in place: one fp32 chunk is the only transient besides the gradient
+            p_CD = (upcast(logits_ND[s:s + rows]) - lse_N[s:s + rows].unsqueeze(-1)).exp_()
             valid_C = t_C != IGNORE_INDEX
             p_CD.scatter_add_(-1, t_C.clamp_min(0).unsqueeze(-1),
                               -valid_C.to(p_CD.dtype).unsqueeze(-1))  # minus one-hot at the target

@@ -211,11 +211,18 @@ class GatedMLA(nn.Module):
         c_kv_BSR, k_r_BSD = self._latent(x_BTD)
         if cache is not None:
             c_kv_BSR, k_r_BSD = cache.append(c_kv_BSR, k_r_BSD)
-        mask_TS, is_causal = attention_mask(T, c_kv_BSR.shape[1], cu_seqlens, x_BTD.device)
         use_absorbed = cache is not None if absorbed is None else absorbed
         attend = absorbed_mla_attention if use_absorbed else naive_mla_attention
-        o_BTHV = attend(q_BTHE, c_kv_BSR, k_r_BSD, self.kv_b_proj.weight, self.num_heads, self.nope_dim, self.v_dim,
-                        mask_TS, is_causal, self.scale)
+        args = (self.kv_b_proj.weight, self.num_heads, self.nope_dim, self.v_dim)
+        if cu_seqlens is not None and x_BTD.device.type == "cpu" and not use_absorbed:
+            # packed documents on CPU: one causal call per document selects the CPU flash kernel (no T x T mask,
+            # scores or probabilities; causal work skipped), where a block-diagonal mask forces the math path
+            cu = cu_seqlens.tolist()
+            o_BTHV = torch.cat([attend(q_BTHE[:, s:e], c_kv_BSR[:, s:e], k_r_BSD[:, s:e], *args, None, True,
+                                       self.scale) for s, e in zip(cu, cu[1:]) if e > s], dim=1)
+        else:
+            mask_TS, is_causal = attention_mask(T, c_kv_BSR.shape[1], cu_seqlens, x_BTD.device)
+            o_BTHV = attend(q_BTHE, c_kv_BSR, k_r_BSD, *args, mask_TS, is_causal, self.scale)
         o_BTF = o_BTHV.reshape(B, T, self.num_heads * self.v_dim)
         if self.use_output_gate:  # element-wise, head-specific, query-dependent sigmoid (Gated Attention G1)
             o_BTF = (torch.sigmoid(upcast(self.g_proj(x_BTD))) * upcast(o_BTF)).to(x_BTD.dtype)

@@ -69,16 +69,21 @@ def kda_sub_blocks(c: "K3Config") -> int:
 
 def kda_elements(c: "K3Config", seq_len: int) -> tuple[float, float]:
     """KDA layer incl. its input x. A: projections, conv in/out (padded by W-1), f_a output, o_proj input.
-    F (fp32 inside the kernel): L2 norms, beta, decay, the chunked core (per chunk: 14 [C, K]-sized tensors,
-    3 n_s more for the sub-block factorised scores, 3 [C, C] score/solve matrices, states S [K, V] at every chunk
-    boundary), the per-head output norm and gate. Chunk tensors cover the padded length ceil(T/C)*C."""
+    F (fp32 inside the kernel): L2 norms, beta, decay, the chunked core (model/kda/chunk.py saves per chunk 9
+    [C, K]-sized tensors plus the strips of the sub-block decay factors, 3 block-lower [C, C] matrices whose
+    upper blocks are not stored, beta, states S [K, V] at every chunk boundary; the exact form keeps a [C, C, K]
+    factor instead), the per-head output norm and gate. Chunk tensors cover the padded length ceil(T/C)*C."""
     d, H, K, C, W = c.hidden_size, c.kda_num_heads, c.kda_head_dim, c.kda_chunk_size, c.kda_conv_size
     P = H * K
     N = -(-seq_len // C)
     pad = N * C / seq_len  # padded tokens per real token
     n_s = kda_sub_blocks(c)
     a = d + 9 * P + 3 * P * (W - 1) / seq_len + K + P
-    chunk = (14 * P + 3 * n_s * P + 3 * H * C + H * K / C) * pad + H * K * K * (N + 1) / seq_len
+    if n_s == C:  # exact form: the [C, C, K] decay factor, full C x C matrices
+        core = (9 + C) * P + 3 * H * C
+    else:  # strips below the diagonal sub-blocks; block-lower C x C matrices
+        core = (9 + sum(1 - b / n_s for b in range(n_s - 1))) * P + 3 * H * C * (n_s + 1) / (2 * n_s)
+    chunk = (core + H) * pad + H * K * K * (N + 1) / seq_len
     f = 2 * (P + H) + H + 2 * P + chunk + (2 * P * pad + H) + 2 * P
     return a, f
 
@@ -114,6 +119,17 @@ def activation_elements(c: "K3Config", seq_len: int, attention: str = "flash") -
     # output mix + final norm + normed hidden into lm_head + logits kept by the loss + per-token lse/target
     add("head_loss", (d * (1 if c.attn_res_enabled else 0) + d + c.vocab_size, d + 1 + attn_res_elements(n_out) + 3))
     return {k: (v[0], v[1]) for k, v in comp.items()}
+
+
+def loss_backward_bytes(c: "K3Config", micro_batch: int, seq_len: int, act_bytes: int = 2) -> float:
+    """Transient bytes of the loss backward, the first thing backward runs, while every activation is still live:
+    the logits gradient (activation dtype, [tokens, V]) plus one fp32 chunk of recomputed softmax (model/k3.py's
+    chunked cross-entropy: at most `_ce_chunk_rows(V)` rows at a time)."""
+    from model.k3 import _ce_chunk_rows
+
+    tokens = micro_batch * seq_len
+    V = c.vocab_size
+    return tokens * V * act_bytes + min(tokens, _ce_chunk_rows(V)) * V * 4.0
 
 
 def activation_bytes(c: "K3Config", micro_batch: int, seq_len: int, act_bytes: int = 2,

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from training.activations import activation_bytes
+from training.activations import activation_bytes, loss_backward_bytes
 from training.metrics.flops import flops_per_token
 from training.metrics.system import GPU_PEAK_BF16
 
@@ -37,7 +37,7 @@ class Hardware:
     a2a_overlap: float = 0.0  # fraction of MoE all-to-all hidden behind compute
     dp_overlap: float = 0.8  # fraction of gradient reduction hidden behind backward
     reserve_gb: float = 4.0  # CUDA context, NCCL buffers, allocator fragmentation
-    attention: str = "flash"  # flash (GPU kernels) | math (PyTorch CPU SDPA keeps T x T probabilities)
+    attention: str = "flash"  # flash (fused kernels; also CPU training) | math (SDPA math path keeps T x T probs)
 
     @property
     def world(self) -> int:
@@ -63,6 +63,24 @@ def state_bytes_per_param(precision: str) -> dict[str, int]:
     if precision == "bf16":
         return {"weights": 2, "grads": 2, "optimizer": 12}
     return {"weights": 4, "grads": 4, "optimizer": 8}
+
+
+def grads_persist(layout: Layout) -> bool:
+    """Whether gradient memory is held through the whole backward. DeepSpeed's ZeRO (stage >= 1) and bf16 optimizers
+    keep flat gradient buffers from step to step; plain fp32 ZeRO-0 creates each gradient during backward (the
+    optimizer zeroes them with set_to_none), so early in backward they are not there yet."""
+    return layout.zero_stage >= 1 or layout.precision == "bf16"
+
+
+def peak_bytes(gpu: dict[str, float], grads_persist: bool) -> float:
+    """Peak of one train step from the memory terms. Backward frees activations layer by layer while it creates
+    gradients, so the two coexist in full only when gradients persist; otherwise the peak is the larger end of the
+    backward: its start (every activation + the loss backward's transient) or its end (every gradient)."""
+    static = sum(v for k, v in gpu.items() if k not in ("grads", "activations", "loss_backward"))
+    start = gpu["activations"] + gpu["loss_backward"]
+    if grads_persist:
+        return static + gpu["grads"] + start
+    return static + max(start, gpu["grads"])
 
 
 def _largest_unit(config, bd: dict[str, int], ep: int) -> int:
@@ -110,8 +128,9 @@ def plan(config, layout: Layout, hw: Hardware, breakdown: dict[str, int] | None 
     acts = activation_bytes(config, layout.micro_batch_size, layout.seq_len, act_b,
                             layout.activation_checkpointing, hw.attention)
     gpu["activations"] = acts["total"]
+    gpu["loss_backward"] = loss_backward_bytes(config, layout.micro_batch_size, layout.seq_len, act_b)
     gpu["reserve"] = hw.reserve_gb * GB
-    gpu_total = sum(gpu.values())
+    gpu_total = peak_bytes(gpu, grads_persist=grads_persist(layout))
 
     # compute
     fpt = flops_per_token(config, layout.seq_len, training=True)
@@ -186,9 +205,11 @@ def format_table(p: dict[str, Any]) -> str:
     for k, v in g.items():
         if k != "total":
             rows.append((f"  GPU {k}", f"{v:10.2f} GB"))
+    peak_rule = ("every term" if grads_persist(Layout(**lay)) else
+                 "max(activations + loss_backward, grads) + the other terms: fp32 ZeRO-0 creates grads in backward")
     rows.append(("GPU total", f"{g['total']:10.2f} GB of {hw['gpu_memory_gb']:.0f} GB -> "
                               f"{'FITS' if p['fits']['gpu'] else 'DOES NOT FIT'} "
-                              f"({p['fits']['gpu_headroom_gb']:+.1f} GB)"))
+                              f"({p['fits']['gpu_headroom_gb']:+.1f} GB); peak = {peak_rule}"))
     if p["cpu_memory_gb_per_node"]:
         rows.append(("CPU offload / node", f"{p['cpu_memory_gb_per_node']:10.1f} GB of {hw['cpu_memory_gb']:.0f} "
                                            f"GB -> {'fits' if p['fits']['cpu'] else 'DOES NOT FIT'}"))

@@ -227,6 +227,21 @@ def test_varlen_cu_seqlens_equals_separate_sequences(absorbed: bool, cu_dtype: t
     torch.testing.assert_close(y_packed, y_sep, rtol=0, atol=1e-12)
 
 
+def test_packed_attention_memory_is_linear_in_the_packed_length() -> None:
+    """Packed documents on CPU must not keep a [T, T] mask / probability matrix for backward."""
+    layer = make_layer(torch.float32)
+
+    def saved_bytes(T: int) -> int:
+        sizes: list[int] = []
+        x = torch.randn(1, T, layer.hidden_size, requires_grad=True)
+        cu = torch.arange(0, T + 1, 64)  # documents of 64 tokens
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.nbytes) or t, lambda t: t):
+            layer(x, cu_seqlens=cu)
+        return sum(sizes)
+
+    assert saved_bytes(1024) < 5 * saved_bytes(256)  # 4x the tokens: ~4x the bytes (a T x T matrix would be 16x)
+
+
 def test_varlen_matches_fp64_reference() -> None:
     layer = make_layer()
     cu = [0, 4, 11, 13]

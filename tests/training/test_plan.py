@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from model.config import K3Config
-from training.activations import activation_bytes
+from model.k3 import causal_lm_loss
+from training.activations import activation_bytes, loss_backward_bytes
+from training.metrics.heap import HeapPeak, heap_supported
 from training.plan import Hardware, Layout, from_overrides, main, plan
 
 K3 = ["model=k3", "deepspeed=zero3", "deepspeed.offload_optimizer=true", "parallel.ep_size=128",
@@ -104,6 +106,27 @@ def test_zero_stages_partition_optimizer_then_grads_then_weights():
     assert g[1]["optimizer"] == pytest.approx(g[0]["optimizer"] / 8)
     assert g[1]["grads"] == g[0]["grads"] and g[2]["grads"] == pytest.approx(g[0]["grads"] / 8)
     assert g[2]["weights"] == g[0]["weights"] and g[3]["weights"] == pytest.approx(g[0]["weights"] / 8)
+
+
+@pytest.mark.skipif(not heap_supported(), reason="needs glibc mallinfo2 to measure heap bytes")
+def test_loss_backward_transient_matches_measured_heap_peak():
+    cfg, T = _tiny(), 2048  # fp32 logits [2048, 4096]: 34 MB, one CE chunk
+    gen = torch.Generator().manual_seed(0)
+    logits_BTV = torch.randn(1, T, cfg.vocab_size, generator=gen, requires_grad=True)
+    labels_BT = torch.randint(0, cfg.vocab_size, (1, T), generator=gen)
+    loss, _ = causal_lm_loss(logits_BTV, labels_BT)
+    with HeapPeak() as heap:
+        loss.backward()
+    assert heap.peak == pytest.approx(loss_backward_bytes(cfg, 1, T, act_bytes=4), rel=0.10)
+
+
+def test_fp32_zero0_peak_holds_activations_or_grads_not_both():
+    cfg, hw = K3Config.preset("small"), _one_cpu_rank()
+    g0 = plan(cfg, Layout(zero_stage=0, precision="fp32", seq_len=1024, reduce_bucket_size=0), hw)["gpu_memory_gb"]
+    rest = g0["weights"] + g0["optimizer"]
+    assert g0["total"] == pytest.approx(rest + max(g0["activations"] + g0["loss_backward"], g0["grads"]))
+    g1 = plan(cfg, Layout(zero_stage=1, precision="fp32", seq_len=1024, reduce_bucket_size=0), hw)["gpu_memory_gb"]
+    assert g1["total"] == pytest.approx(rest + g1["grads"] + g1["activations"] + g1["loss_backward"])
 
 
 def test_expert_parallelism_shards_only_expert_params():
