@@ -5,14 +5,17 @@ A dispatcher computes, for N tokens routed to K experts each,
     u[n] = sum_k weight[n, k] * E_{idx[n, k]}(z[n])        (k summed in slot order 0..K-1, in >= fp32)
 
 `LocalDispatcher` (all experts on this rank) is dropless and sort-based: a stable argsort of the N*K expert ids
-groups the (token, slot) pairs by expert, every expert runs once on its contiguous slice, and the results are
-put back in (token, slot) order and combined. No capacity, no dropped tokens, no [N x E x C] tensors.
+groups the (token, slot) pairs by expert, every expert runs once on its contiguous rows (gathered block by block
+inside the expert loop, model/moe/experts.py), and the results are combined per slot in (token, slot) order.
+No capacity, no dropped tokens, no [N x E x C] tensors, no [N, K, l] copies.
 
 It is one autograd node (`_LocalMoE`) with a hand-written backward that keeps only z [N, l], the weights and the
-sort permutation, and recomputes the gathered inputs and expert activations in backward: memory saved for
-backward is N*l + O(N*K) instead of the several K*N*Im tensors a plain autograd graph keeps. With
-`LocalDispatcher(recompute=False)` it also keeps the GLU inputs [W1 z, W3 z] (K*N*2*Im values) and skips the
-recomputation GEMM (4 instead of 5 backward GEMMs per expert): faster, more memory.
+sort permutation, and recomputes the expert activations in backward: memory saved for backward is
+N*l + O(N*K) instead of the several K*N*Im tensors a plain autograd graph keeps. With
+`LocalDispatcher(recompute=False)` it also keeps the GLU inputs W1 z, W3 z (K*N*2*Im values, still < 0.5x what
+DeepSpeed's MoE saves) and skips the two recomputation GEMMs (6 instead of 8 backward GEMMs per expert): ~10-15%
+faster on CPU. The default stays recompute=True because the planner's memory model (training/activations.py)
+assumes it.
 
 An expert-parallel dispatcher (training/expert_parallel.py) plugs into `LatentMoE.dispatcher` with the same
 call signature; it should group by expert with the same stable sort, run `experts.forward_grouped` on what it
@@ -59,8 +62,31 @@ def combine_slots(y_NKL: torch.Tensor, weight_NK: torch.Tensor) -> torch.Tensor:
     return u_NL
 
 
+def combine_sorted(y_ML: torch.Tensor, inverse_KN: torch.Tensor, weight_NK: torch.Tensor) -> torch.Tensor:
+    """combine_slots(y_ML[inverse].view(N, K, l), weight), bit for bit, one slot's rows gathered at a time into
+    one reused buffer (never the [N, K, l] copy). inverse_KN[k, n]: row of y_ML holding token n's slot-k result."""
+    w_NK = upcast(weight_NK)
+    row_NL = y_ML.new_empty(inverse_KN.shape[1], y_ML.shape[1])
+    u_NL = upcast(torch.index_select(y_ML, 0, inverse_KN[0], out=row_NL)).to(w_NK.dtype) * w_NK[:, :1]
+    for k in range(1, inverse_KN.shape[0]):
+        u_NL.addcmul_(upcast(torch.index_select(y_ML, 0, inverse_KN[k], out=row_NL)).to(w_NK.dtype),
+                      w_NK[:, k:k + 1])
+    return u_NL
+
+
+def sum_sorted(g_ML: torch.Tensor, inverse_KN: torch.Tensor) -> torch.Tensor:
+    """sum_k g_ML[inverse_KN[k]] in slot order 0..K-1 (the slot sum of an [N, K, l] gather, bit for bit)."""
+    g_NL = g_ML.index_select(0, inverse_KN[0])
+    if inverse_KN.shape[0] > 1:
+        row_NL = torch.empty_like(g_NL)
+        for k in range(1, inverse_KN.shape[0]):
+            g_NL.add_(torch.index_select(g_ML, 0, inverse_KN[k], out=row_NL))
+    return g_NL
+
+
 class _LocalMoE(torch.autograd.Function):
-    """gather -> grouped experts -> combine as one node; saves z, weight and the permutation only."""
+    """gather -> grouped experts -> combine as one node; saves z, weight, the permutation and (keep mode) the GLU
+    inputs. Rows are gathered per expert inside the expert loop (no [M, l] copies of z or g)."""
 
     @staticmethod
     def forward(ctx, z_NL, weight_NK, w1, w3, w2, expert_idx_NK, beta1: float, beta2: float,  # type: ignore[override]
@@ -68,30 +94,26 @@ class _LocalMoE(torch.autograd.Function):
         N, K = expert_idx_NK.shape
         order_M, inverse_M, counts_E = sort_by_expert(expert_idx_NK, w1.shape[0])
         counts = counts_E.tolist()
-        z_ML = z_NL.index_select(0, order_M // K)  # [M, l] grouped by expert
-        h13 = None if recompute else z_ML.new_empty(z_ML.shape[0], 2 * w1.shape[1])
-        y_ML = grouped_forward(z_ML, counts, w1, w3, w2, beta1, beta2, h13_out=h13)
-        y_NKL = y_ML.index_select(0, inverse_M).view(N, K, -1)
-        u_NL = combine_slots(y_NKL, weight_NK)
-        ctx.save_for_backward(z_NL, weight_NK, w1, w3, w2, order_M, inverse_M, *(() if h13 is None else (h13,)))
+        token_M = order_M // K  # source token of each grouped row
+        inverse_KN = inverse_M.view(N, K).t().contiguous()
+        keep_h: list[torch.Tensor] | None = None if recompute else []  # per block [2, rows, Im]: W1 z, W3 z
+        y_ML = grouped_forward(z_NL, counts, w1, w3, w2, beta1, beta2, keep_h=keep_h, rows_M=token_M)
+        u_NL = combine_sorted(y_ML, inverse_KN, weight_NK)
+        ctx.save_for_backward(z_NL, weight_NK, w1, w3, w2, order_M, inverse_KN, *(keep_h or ()))
+        ctx.recompute = recompute
         ctx.counts, ctx.betas = counts, (beta1, beta2)
         return u_NL.to(z_NL.dtype)
 
     @staticmethod
     def backward(ctx, g_NL):  # type: ignore[override]
-        z_NL, weight_NK, w1, w3, w2, order_M, inverse_M, *kept = ctx.saved_tensors
+        z_NL, weight_NK, w1, w3, w2, order_M, inverse_KN, *kept = ctx.saved_tensors
         N, K = weight_NK.shape
-        token_M = order_M // K
-        z_ML = z_NL.index_select(0, token_M)
-        g_ML = g_NL.contiguous().index_select(0, token_M)
         p_M = upcast(weight_NK).reshape(-1).index_select(0, order_M)
-        g_zM, g_w1, g_w3, g_w2, g_pM = grouped_backward(z_ML, g_ML, ctx.counts, w1, w3, w2, *ctx.betas,
-                                                        row_weight_M=p_M, h13_M=kept[0] if kept else None)
-        g_z_NKL = g_zM.index_select(0, inverse_M).view(N, K, -1)
-        g_z = g_z_NKL[:, 0].clone()
-        for k in range(1, K):
-            g_z.add_(g_z_NKL[:, k])
-        g_w = g_pM.index_select(0, inverse_M).view(N, K).to(weight_NK.dtype)
+        g_zM, g_w1, g_w3, g_w2, g_pM = grouped_backward(z_NL, g_NL.contiguous(), ctx.counts, w1, w3, w2, *ctx.betas,
+                                                        row_weight_M=p_M, keep_h=None if ctx.recompute else kept,
+                                                        rows_M=order_M // K)
+        g_z = sum_sorted(g_zM, inverse_KN)
+        g_w = g_pM.index_select(0, inverse_KN.t().reshape(-1)).view(N, K).to(weight_NK.dtype)
         return g_z, g_w, g_w1, g_w3, g_w2, None, None, None, None
 
 

@@ -8,9 +8,14 @@ HF per-expert weights have exactly these [out, in] shapes), for the global exper
 j in [expert_offset, expert_offset + num_local).
 
 The expert maths lives in two pure functions, `grouped_forward` and `grouped_backward` (hand-written gradient
-that recomputes the activations from the inputs), shared by `forward_grouped` here and by the fused local
-dispatcher (model/moe/dispatch.py), so an expert-parallel dispatcher that calls `forward_grouped` on the
-tokens it received computes the same numbers.
+that recomputes the activations from the inputs, or reads them when the forward kept them), shared by
+`forward_grouped` here, the fused local dispatcher (model/moe/dispatch.py) and the all-to-all dispatcher, so
+every path computes the same numbers for the same rows.
+
+Speed on CPU (bench/moe.py): the nine expert GEMMs per expert are the floor; everything else is overhead. So the
+rows are processed in blocks of ~BLOCK_ROWS (`expert_blocks`): rows gathered per block (never an [M, l] copy),
+per-expert GEMMs into the block (one bmm when a block holds equal-sized consecutive experts, i.e. balanced
+routing), the row-wise SiTU-GLU once per block, every temporary written into reused scratch blocks.
 """
 from __future__ import annotations
 
@@ -22,49 +27,154 @@ from model.ffn import cap, situ
 from model.norm import upcast
 
 
-def _w13(w1: torch.Tensor, w3: torch.Tensor, e: int) -> torch.Tensor:
-    """[2*Im, l]: expert e's gate and up weights stacked, so both projections are one GEMM."""
-    return torch.cat([w1[e], w3[e]], dim=0)
+BLOCK_ROWS = 512  # rows per block of consecutive experts: elementwise work runs once per block, not per expert
 
 
-def _glu(h13: torch.Tensor, beta1: float, beta2: float, grad: bool = False):
-    """From h13 = [W1 z, W3 z] ([m, 2*Im]): a = SiTU(h1)*cap(h3) in >= fp32, and with grad=True also
-    (da/dh1, da/dh3). Three sigmoid passes in all (tanh(x) = 2*sigmoid(2x) - 1), mostly in place."""
-    Im = h13.shape[1] // 2
-    h = upcast(h13)
-    h1, h3 = h[:, :Im], h[:, Im:]
-    sg1 = torch.sigmoid(h1)
-    t1 = torch.sigmoid(h1 * (2.0 / beta1)).mul_(2.0).sub_(1.0)  # tanh(h1/b1)
-    t3 = torch.sigmoid(h3 * (2.0 / beta2)).mul_(2.0).sub_(1.0)  # tanh(h3/b2)
-    s1 = (t1 * sg1).mul_(beta1)  # SiTU(h1)
-    a = s1 * t3 * beta2  # SiTU(h1) * cap(h3)
+class _Scratch:
+    """Per-call scratch blocks [rows, cols] reused across blocks: every temporary of the expert loop is written
+    into one of these (out= / in place), because on CPU a fresh 0.5 MB tensor per op costs more than the op
+    (the allocator hands freed blocks back to the OS, and the kernel re-zeroes the pages on the next touch)."""
+
+    def __init__(self, rows: int, device: torch.device) -> None:
+        self.rows, self.device, self.bufs = rows, device, {}
+
+    def __call__(self, name: str, m: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        buf = self.bufs.get(name)
+        if buf is None or buf.shape[1] != cols or buf.dtype != dtype:
+            buf = self.bufs[name] = torch.empty(self.rows, cols, dtype=dtype, device=self.device)
+        return buf[:m]
+
+
+def expert_blocks(counts: list[int], block_rows: int | None = None) -> list[tuple[int, int, list[tuple]]]:
+    """Cut the grouped rows into blocks of about block_rows rows: whole consecutive small experts together, a big
+    expert in pieces of <= block_rows rows. [(start, rows, [(expert, offset in block, m, first piece?), ...])],
+    empty experts left out.
+
+    The GLU is row-wise, so it runs once per block (few large ops instead of many tiny ones when experts are
+    small; cache-sized ones when they are big), while the GEMMs still run per expert piece; weight gradients
+    accumulate over an expert's pieces in row order (which depends on its row count only)."""
+    block_rows = block_rows or BLOCK_ROWS
+    blocks, cur, start, rows = [], [], 0, 0
+    for e, m in enumerate(counts):
+        for o in range(0, m, block_rows):
+            piece = min(block_rows, m - o)
+            if cur and rows + piece > block_rows:
+                blocks.append((start, rows, cur))
+                start, rows, cur = start + rows, 0, []
+            cur.append((e, rows, piece, o == 0))
+            rows += piece
+    if cur:
+        blocks.append((start, rows, cur))
+    return blocks
+
+
+def _uniform(experts: list[tuple]) -> tuple[int, int, int] | None:
+    """(first expert, G, m) when a block is G whole consecutive experts with m rows each (balanced routing): its
+    GEMMs then run as one bmm (the same per-matrix GEMMs, bitwise, without G Python round trips)."""
+    e0, _, m, _ = experts[0]
+    if len(experts) > 1 and all(e == e0 + i and mi == m and first for i, (e, _, mi, first) in enumerate(experts)):
+        return e0, len(experts), m
+    return None
+
+
+def _rows_by_weight(experts, uni, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, transpose_w: bool,
+                    accumulate: bool = False) -> None:
+    """out[rows of e] (+)= x[rows of e] @ op(w[e]) for each expert (piece) of a block; op = transpose or not."""
+    if uni is not None:
+        e0, G, m = uni
+        wb = w[e0:e0 + G].transpose(1, 2) if transpose_w else w[e0:e0 + G]
+        ob = out.view(G, m, out.shape[1])
+        if accumulate:
+            ob.baddbmm_(x.view(G, m, x.shape[1]), wb)
+        else:
+            torch.bmm(x.view(G, m, x.shape[1]), wb, out=ob)
+        return
+    for e, o, m, _ in experts:
+        we = w[e].t() if transpose_w else w[e]
+        if accumulate:
+            out[o:o + m].addmm_(x[o:o + m], we)
+        else:
+            torch.mm(x[o:o + m], we, out=out[o:o + m])
+
+
+def _rows_t_by_rows(experts, uni, x: torch.Tensor, y: torch.Tensor, out_E: torch.Tensor) -> None:
+    """out_E[e] (+)= x[rows of e]^T @ y[rows of e] (a weight gradient; later pieces of an expert accumulate)."""
+    if uni is not None:
+        e0, G, m = uni
+        torch.bmm(x.view(G, m, x.shape[1]).transpose(1, 2), y.view(G, m, y.shape[1]), out=out_E[e0:e0 + G])
+        return
+    for e, o, m, first in experts:
+        if first:
+            torch.mm(x[o:o + m].t(), y[o:o + m], out=out_E[e])
+        else:
+            out_E[e].addmm_(x[o:o + m].t(), y[o:o + m])
+
+
+def _tanh_into(h: torch.Tensor, beta: float, out: torch.Tensor) -> torch.Tensor:
+    """tanh(h/beta) = 2*sigmoid(2h/beta) - 1, written into `out` in three passes (ATen's CPU sigmoid is ~4x
+    faster than its tanh)."""
+    u = torch.mul(h, 2.0 / beta, out=out).sigmoid_()
+    return torch.add(torch.tensor(-1.0, dtype=u.dtype), u, alpha=2.0, out=u)
+
+
+def _glu(h1: torch.Tensor, h3: torch.Tensor, beta1: float, beta2: float, ws: _Scratch, grad: bool = False):
+    """a = SiTU(h1) * cap(h3) = b1*b2 * sg1*t1*t3 in >= fp32 ([R, Im] each; sg1 = sigmoid(h1), t1 = tanh(h1/b1),
+    t3 = tanh(h3/b2)), and with grad=True also (da/dh1, da/dh3), with as few elementwise passes as we can:
+
+        da/dh1 = b2*sg1*t3 * (1 - t1*(t1 + b1*sg1 - b1)),   da/dh3 = b1*t1*sg1 * (1 - t3^2)
+
+    All results live in scratch blocks of `ws` (valid until the next call)."""
+    h1, h3 = upcast(h1), upcast(h3)
+    R, Im, cd = h1.shape[0], h1.shape[1], h1.dtype
+    sg1 = torch.sigmoid(h1, out=ws("sg1", R, Im, cd))
+    t1 = _tanh_into(h1, beta1, ws("t1", R, Im, cd))
+    t3 = _tanh_into(h3, beta2, ws("t3", R, Im, cd))
     if not grad:
-        return a
-    # dSiTU/dh1 = sg1*((1 - t1^2) + b1*t1*(1 - sg1));  dcap/dh3 = 1 - t3^2
-    d1 = (1.0 - sg1).mul_(t1).mul_(beta1).add_(1.0).sub_(t1 * t1).mul_(sg1).mul_(t3).mul_(beta2)
-    d3 = (1.0 - t3 * t3).mul_(s1)
+        return t1.mul_(sg1.mul_(t3)).mul_(beta1 * beta2)  # the same products, in the same order, as below
+    one = torch.ones((), dtype=cd)
+    c = torch.mul(sg1, t3, out=ws("c", R, Im, cd))  # sg1*t3
+    a = torch.mul(t1, c, out=ws("a", R, Im, cd)).mul_(beta1 * beta2)
+    d1 = torch.add(t1, sg1, alpha=beta1, out=ws("d1", R, Im, cd)).sub_(beta1)
+    d1 = torch.addcmul(one, t1, d1, value=-1.0, out=d1).mul_(c).mul_(beta2)
+    d3 = torch.addcmul(one, t3, t3, value=-1.0, out=t3).mul_(t1).mul_(sg1).mul_(beta1)  # t3 no longer needed
     return a, d1, d3
 
 
-def grouped_forward(z_ML: torch.Tensor, counts: list[int], w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-                    beta1: float, beta2: float, h13_out: torch.Tensor | None = None) -> torch.Tensor:
-    """y_ML for rows grouped contiguously by expert (counts[e] rows for local expert e): two GEMMs per expert.
+def _rows(src: torch.Tensor, rows_M: torch.Tensor | None, sl: slice, out: torch.Tensor) -> torch.Tensor:
+    """The grouped rows `sl`: a slice of src, or (rows_M given) src's rows rows_M[sl] gathered into `out` now, so
+    the whole [M, l] gathered copy never exists and each block is cache-hot for its GEMMs."""
+    return src[sl] if rows_M is None else torch.index_select(src, 0, rows_M[sl], out=out)
 
-    `h13_out` ([M, 2*Im], optional) receives the GLU inputs [W1 z, W3 z] for a backward that keeps them.
+
+def grouped_forward(z_ML: torch.Tensor, counts: list[int], w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+                    beta1: float, beta2: float, keep_h: list[torch.Tensor] | None = None,
+                    rows_M: torch.Tensor | None = None) -> torch.Tensor:
+    """y_ML for rows grouped contiguously by expert (counts[e] rows for local expert e): three GEMMs per expert.
+
+    `rows_M` (optional): grouped row i is z_ML[rows_M[i]] (z_ML is then the ungrouped source, e.g. z_NL).
+    `keep_h` (a list, optional) receives the GLU inputs [W1 z, W3 z] of each block ([2, rows, Im] each) for a
+    backward that keeps them: block-sized tensors, which the CPU allocator recycles from step to step, where one
+    [2, M, Im] tensor would be fresh pages (re-zeroed by the kernel, ~0.4 ms/MB here) every step.
+    Gate and up are two GEMMs into contiguous blocks: on CPU one [2Im, l] GEMM is no faster, and needs a copy
+    of the stacked weights.
     """
-    y_ML = torch.empty(z_ML.shape[0], w2.shape[1], dtype=z_ML.dtype, device=z_ML.device)
-    start = 0
-    for e, m in enumerate(counts):
-        if m == 0:
-            continue
-        z = z_ML[start:start + m]  # [m, l]
-        if h13_out is None:
-            h13 = z @ _w13(w1, w3, e).t()  # [m, 2Im]
+    M, l, Im, dt = sum(counts), z_ML.shape[1], w1.shape[1], z_ML.dtype
+    y_ML = torch.empty(M, w2.shape[1], dtype=dt, device=z_ML.device)
+    blocks = expert_blocks(counts)
+    ws = _Scratch(max((r for _, r, _ in blocks), default=0), z_ML.device)
+    for start, R, experts in blocks:
+        sl = slice(start, start + R)
+        z = _rows(z_ML, rows_M, sl, ws("z", R, l, dt))  # [R, l]
+        if keep_h is None:
+            h1, h3 = ws("h1", R, Im, dt), ws("h3", R, Im, dt)  # [R, Im]
         else:
-            h13 = torch.mm(z, _w13(w1, w3, e).t(), out=h13_out[start:start + m])
-        a = _glu(h13, beta1, beta2).to(z.dtype)  # [m, Im]
-        torch.mm(a, w2[e].t(), out=y_ML[start:start + m])
-        start += m
+            keep_h.append(torch.empty(2, R, Im, dtype=dt, device=z_ML.device))
+            h1, h3 = keep_h[-1]
+        uni = _uniform(experts)
+        _rows_by_weight(experts, uni, z, w1, h1, transpose_w=True)
+        _rows_by_weight(experts, uni, z, w3, h3, transpose_w=True)
+        a = _glu(h1, h3, beta1, beta2, ws).to(dt)  # [R, Im]
+        _rows_by_weight(experts, uni, a, w2, y_ML[sl], transpose_w=True)
     return y_ML
 
 
@@ -78,48 +188,52 @@ def grouped_backward(
     beta1: float,
     beta2: float,
     row_weight_M: torch.Tensor | None = None,
-    h13_M: torch.Tensor | None = None,
+    keep_h: list[torch.Tensor] | tuple[torch.Tensor, ...] | None = None,
+    rows_M: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Gradients of sum_m <g_m, p_m * y_m> for y = grouped_forward(z): (g_z, g_w1, g_w3, g_w2, g_p).
+    """Gradients of sum_m <g_m, p_m * y_m> for y = grouped_forward(z): (g_z, g_w1, g_w3, g_w2, g_p), g_z grouped.
 
-    `row_weight_M` (p, >= fp32) is the per-row mixing weight, or None for p = 1 (then g_p is None). The GLU
-    activations are recomputed from z (five GEMMs per expert) unless the forward kept h13 = [W1 z, W3 z]
-    (`h13_M`, four GEMMs); <g, y> for g_p is taken as <g W2, a>, which avoids recomputing y.
+    `row_weight_M` (p, >= fp32) is the per-row mixing weight, or None for p = 1 (then g_p is None). `rows_M`: as
+    in grouped_forward, for both z_ML and g_ML. The GLU inputs are recomputed from z (eight GEMMs per expert)
+    unless the forward kept them (`keep_h`, six GEMMs); <g, y> for g_p is taken as <g W2, a>, which avoids
+    recomputing y.
     """
-    g_z = torch.empty_like(z_ML)
+    M, l, Im, dt = sum(counts), z_ML.shape[1], w1.shape[1], z_ML.dtype
+    g_z = torch.empty(M, l, dtype=dt, device=z_ML.device)
     g_w1, g_w3, g_w2 = torch.empty_like(w1), torch.empty_like(w3), torch.empty_like(w2)
-    g_p = None if row_weight_M is None else torch.empty_like(row_weight_M)
-    Im = w1.shape[1]
-    w2s, gw1s, gw3s, gw2s = w2.unbind(0), g_w1.unbind(0), g_w3.unbind(0), g_w2.unbind(0)
-    start = 0
     for e, m in enumerate(counts):
         if m == 0:  # an expert without tokens gets a zero gradient
-            gw1s[e].zero_(), gw3s[e].zero_(), gw2s[e].zero_()
-            continue
-        sl = slice(start, start + m)
-        z, g = z_ML[sl], g_ML[sl]  # [m, l]
-        w13 = _w13(w1, w3, e)  # [2Im, l]
-        h13 = z @ w13.t() if h13_M is None else h13_M[sl]  # [m, 2Im], recomputed or kept
-        a, d1, d3 = _glu(h13, beta1, beta2, grad=True)  # >= fp32
-        ga = upcast_mm(g, w2s[e])  # [m, Im] = g W2
+            g_w1[e].zero_(), g_w3[e].zero_(), g_w2[e].zero_()
+    g_p = None if row_weight_M is None else torch.empty_like(row_weight_M)
+    blocks = expert_blocks(counts)
+    ws = _Scratch(max((r for _, r, _ in blocks), default=0), z_ML.device)
+    for b, (start, R, experts) in enumerate(blocks):
+        sl = slice(start, start + R)
+        z, g = _rows(z_ML, rows_M, sl, ws("z", R, l, dt)), _rows(g_ML, rows_M, sl, ws("g", R, l, dt))  # [R, l]
+        uni = _uniform(experts)
+        if keep_h is None:  # recompute the GLU inputs
+            h1, h3 = ws("h1", R, Im, dt), ws("h3", R, Im, dt)  # [R, Im]
+            _rows_by_weight(experts, uni, z, w1, h1, transpose_w=True)
+            _rows_by_weight(experts, uni, z, w3, h3, transpose_w=True)
+        else:
+            h1, h3 = keep_h[b]  # kept by the forward, block b
+        a, d1, d3 = _glu(h1, h3, beta1, beta2, ws, grad=True)  # >= fp32
+        ga = ws("ga", R, Im, dt)  # [R, Im] = g W2
+        _rows_by_weight(experts, uni, g, w2, ga, transpose_w=False)
+        ga = upcast(ga)
         if row_weight_M is not None:
-            p = row_weight_M[sl].unsqueeze(-1)  # [m, 1]
-            g_p[sl] = (ga * a).sum(-1)
+            p = row_weight_M[sl].unsqueeze(-1)  # [R, 1]
+            g_p[sl] = torch.mul(ga, a, out=ws("gaa", R, Im, ga.dtype)).sum(-1)  # <g W2, a> = <g, y>
             ga.mul_(p)
-            g = (g * p).to(z.dtype)
-        torch.mm(g.t(), a.to(z.dtype), out=gw2s[e])  # [l, Im]
-        g_h13 = torch.cat([d1.mul_(ga), d3.mul_(ga)], dim=1).to(z.dtype)  # [m, 2Im]
-        torch.mm(g_h13[:, :Im].t(), z, out=gw1s[e])  # [Im, l]
-        torch.mm(g_h13[:, Im:].t(), z, out=gw3s[e])
-        torch.mm(g_h13, w13, out=g_z[sl])
-        start += m
+            g = torch.mul(g, p, out=ws("gp", R, l, dt))
+        a = a.to(dt)
+        g_h1, g_h3 = d1.mul_(ga).to(dt), d3.mul_(ga).to(dt)  # [R, Im]
+        _rows_t_by_rows(experts, uni, g, a, g_w2)  # [l, Im] per expert
+        _rows_t_by_rows(experts, uni, g_h1, z, g_w1)  # [Im, l]
+        _rows_t_by_rows(experts, uni, g_h3, z, g_w3)
+        _rows_by_weight(experts, uni, g_h1, w1, g_z[sl], transpose_w=False)  # [R, l]
+        _rows_by_weight(experts, uni, g_h3, w3, g_z[sl], transpose_w=False, accumulate=True)
     return g_z, g_w1, g_w3, g_w2, g_p
-
-
-def upcast_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b returned in >= fp32 (the matmul itself runs in the inputs' dtype)."""
-    out = a @ b
-    return out if out.dtype in (torch.float32, torch.float64) else out.float()
 
 
 class _GroupedExperts(torch.autograd.Function):

@@ -183,3 +183,77 @@ def test_bf16_path_runs_and_tracks_fp64():
         ref = ref.detach()
     assert out.dtype == torch.bfloat16
     assert float((out.double() - ref).abs().max() / ref.abs().max()) < 0.05
+
+
+def test_expert_blocks_cover_every_row_once_in_order():
+    from model.moe.experts import expert_blocks
+    counts = [0, 5, 1, 0, 12, 2, 2, 7]
+    blocks = expert_blocks(counts, block_rows=4)
+    pieces = [(start + o, e, m, first) for start, rows, ps in blocks for e, o, m, first in ps]
+    assert all(rows <= 4 and rows == sum(m for _, _, m, _ in ps) for _, rows, ps in blocks)
+    assert [b[0] for b in blocks] == [sum(b[1] for b in blocks[:i]) for i in range(len(blocks))]  # contiguous
+    row, seen = 0, set()
+    for pos, e, m, first in pieces:  # consecutive rows; an expert's first piece is flagged, empty ones absent
+        assert pos == row and m > 0 and first == (e not in seen)
+        row, _ = row + m, seen.add(e)
+    assert row == sum(counts)
+    assert [sum(m for _, e2, m, _ in pieces if e2 == e) for e in range(len(counts))] == counts
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_blocks_and_split_experts_match_reference_fp64(monkeypatch, recompute):
+    """Tiny blocks: small experts share a block, the busy expert is split in pieces whose weight gradients
+    accumulate; forward and every gradient still equal the per-token reference."""
+    import model.moe.experts as experts_mod
+    monkeypatch.setattr(experts_mod, "BLOCK_ROWS", 5)
+    ex = _experts(E=6)
+    N, K = 23, 2
+    z = torch.randn(N, 7, dtype=torch.float64, requires_grad=True)
+    idx = torch.stack([torch.zeros(N, dtype=torch.long), 1 + torch.arange(N) % 5], dim=1)  # expert 0: 23 rows
+    w = torch.rand(N, K, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(N, 7, dtype=torch.float64)
+    params = [z, w, ex.w1, ex.w3, ex.w2]
+    out = LocalDispatcher(recompute)(z, idx, w, ex)
+    ref = _moe_ref(z, idx, w, ex)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    for a, b in zip(torch.autograd.grad((out * g).sum(), params), torch.autograd.grad((ref * g).sum(), params)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_balanced_routing_grouped_bmm_path_matches_reference_fp64(monkeypatch, recompute):
+    """Equal loads: blocks of equal-sized consecutive experts run their GEMMs as one bmm."""
+    import model.moe.experts as experts_mod
+    monkeypatch.setattr(experts_mod, "BLOCK_ROWS", 12)
+    ex = _experts(E=6)
+    N, K = 18, 2
+    idx = (torch.arange(N).unsqueeze(1) * K + torch.arange(K)) % 6  # every expert exactly 6 rows
+    idx = idx[torch.randperm(N)]
+    blocks = experts_mod.expert_blocks([6] * 6)
+    assert all(experts_mod._uniform(ps) is not None for _, _, ps in blocks)  # the bmm path is the one tested
+    z = torch.randn(N, 7, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(N, K, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(N, 7, dtype=torch.float64)
+    params = [z, w, ex.w1, ex.w3, ex.w2]
+    out = LocalDispatcher(recompute)(z, idx, w, ex)
+    ref = _moe_ref(z, idx, w, ex)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    for a, b in zip(torch.autograd.grad((out * g).sum(), params), torch.autograd.grad((ref * g).sum(), params)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_combine_sorted_is_bitwise_combine_slots_of_the_gathered_copy():
+    """The local path combines slot by slot from the grouped rows; the all-to-all path gathers [N, K, l] first:
+    both must give the same bits."""
+    from model.moe.dispatch import combine_slots, combine_sorted, sum_sorted
+    N, K, L = 37, 3, 16
+    idx, w = _routing(N, 6, K)
+    order, inverse, _ = sort_by_expert(idx, 6)
+    y = torch.randn(N * K, L)
+    inverse_KN = inverse.view(N, K).t().contiguous()
+    gathered = y.index_select(0, inverse).view(N, K, L)
+    assert torch.equal(combine_sorted(y, inverse_KN, w.float()), combine_slots(gathered, w.float()))
+    want = gathered[:, 0].clone()
+    for k in range(1, K):
+        want.add_(gathered[:, k])
+    assert torch.equal(sum_sorted(y, inverse_KN), want)
