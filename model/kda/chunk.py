@@ -15,6 +15,13 @@ in groups of ~`GROUP_BYTES` per tensor: at T = 2048 whole-sequence tensors (2 MB
 run from DRAM at a third of its in-cache speed. The gradient of the cumulative decay G is gathered per position
 (q dq - k dk style terms, see `_DecayFactors`) and turned into dg by one reverse cumulative sum per chunk; the state
 path contributes sum_V dS_{n+1} * S_{n+1} to every position.
+
+Layout: each group's inputs are copied into contiguous chunk-major buffers, fused with their first op (q * scale,
+cumsum(g), v straight into the right half of [kg | v]); a strided view would make every elementwise op slow and
+every matmul copy its operand first. Per-chunk loop views come from one `unbind` each; strip products accumulate
+in place through `[batch, R, D]` views (`_b3`) instead of `+=` on slices (which copies back). The UT backward uses
+T^T dW = -(T^T dU) S^T: one [C, V] triangular product and one state matmul instead of a state matmul and a
+[C, K + V] triangular product.
 """
 from __future__ import annotations
 
@@ -44,6 +51,11 @@ def _exp_floored(x: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------------------
 # decay factors: exp(G_r - G_i) = P_r * Q_i, split so that no factor overflows
 # --------------------------------------------------------------------------------------------------------------
+def _b3(x: torch.Tensor) -> torch.Tensor:
+    """[..., R, D] as a [batch, R, D] view (never a copy: in-place batched matmuls write through it)."""
+    return x.view(-1, x.shape[-2], x.shape[-1])
+
+
 class _BlockLower:
     """A lower-triangular [..., C, C] matrix kept as its n_s diagonal S x S blocks ([..., n_s, S, S]) and, below
     each diagonal block b < n_s - 1, the strip of all later rows in b's columns ([..., C - (b + 1) S, S]). With
@@ -95,7 +107,7 @@ class _BlockLower:
             self._blk(Y).flatten(0, -3).baddbmm_(self.diag.flatten(0, -3), self._blk(Z).flatten(0, -3))
         for b, St in enumerate(self.strips):
             r0, c0 = self._rows(b)
-            Y[..., r0:, :] += St @ Z[..., c0:r0, :]
+            _b3(Y[..., r0:, :]).baddbmm_(_b3(St), _b3(Z[..., c0:r0, :]))
         return Y
 
     def mm_t(self, Z: torch.Tensor) -> torch.Tensor:
@@ -103,7 +115,7 @@ class _BlockLower:
         Y = torch.matmul(self.diag.transpose(-1, -2), self._blk(Z)).view_as(Z)
         for b, St in enumerate(self.strips):
             r0, c0 = self._rows(b)
-            Y[..., c0:r0, :] += St.transpose(-1, -2) @ Z[..., r0:, :]
+            _b3(Y[..., c0:r0, :]).baddbmm_(_b3(St).transpose(-1, -2), _b3(Z[..., r0:, :]))
         return Y
 
     def scale_rows_(self, beta: torch.Tensor) -> "_BlockLower":
@@ -121,7 +133,7 @@ class _BlockLower:
         """sum_i M[r, i] O[r, i] per row r: [..., C]."""
         out = (self.diag * other.diag).sum(-1).flatten(-2)
         for b, (St, Ot) in enumerate(zip(self.strips, other.strips)):
-            out[..., self._rows(b)[0]:] += (St * Ot).sum(-1)
+            out[..., self._rows(b)[0]:].add_((St * Ot).sum(-1))
         return out
 
     def unit_inverse(self) -> "_BlockLower":
@@ -136,7 +148,7 @@ class _BlockLower:
             Y = torch.matmul(Td[..., b + 1:, :, :], Z.view(*Z.shape[:-2], self.n_s - b - 1, S, S)).view_as(Z)
             for b2 in range(b + 1, self.n_s - 1):
                 r2 = (b2 + 1) * S
-                Y[..., r2 - r0:, :] += strips[b2] @ Z[..., r2 - S - r0:r2 - r0, :]
+                _b3(Y[..., r2 - r0:, :]).baddbmm_(_b3(strips[b2]), _b3(Z[..., r2 - S - r0:r2 - r0, :]))
             strips[b] = Y.neg_()
         return _BlockLower(Td, strips)
 
@@ -269,79 +281,96 @@ def unit_lower_inverse(L_XCC: torch.Tensor, leaf: int = 32) -> torch.Tensor:
 # the autograd node
 # --------------------------------------------------------------------------------------------------------------
 # chunks per group: per-tensor group slices of about this many bytes keep one group's working set (~30 tensors)
-# in L3; smaller groups pay more per-op dispatch than they save (measured on the benchmark machine)
+# in L3; smaller groups pay more per-op dispatch than they save (measured on the benchmark machine: 4 and 8
+# chunks of 64 per group tie, 2 and 16 are 10-20% slower)
 GROUP_BYTES = 256 * 1024
 
 
-def _forward_group(q, k, v, g, beta, S_all, n0: int, S: int, scale: float) -> tuple[torch.Tensor, tuple]:
-    """Forward of chunks n0..n0+len(q) (q, k, v, g, beta: that group's [n, X, C, *] slices). Reads the state
-    S_all[n0], writes S_all[n0 + 1..]; returns the group's output [n, X, C, V] (q comes in unscaled, o includes
-    the query scale) and what its backward needs."""
-    N = q.shape[0]
-    G = g.cumsum(-2)  # [n, X, C, K]
+def _forward_group(q, k, X0, G, beta, S_all, n0: int, S: int) -> tuple[torch.Tensor, list]:
+    """Forward of chunks n0..n0+len(q): q (scaled), k [n, X, C, K], G = cumsum(g) [n, X, C, K], beta [n, X, C] and
+    X0 [n, X, C, K + V] holding v in its right half (the left half receives kg here). Reads the state S_all[n0],
+    writes S_all[n0 + 1..]; returns the group's output [n, X, C, V] and what its backward needs."""
+    N, K = q.shape[0], q.shape[-1]
     dec = _DecayFactors(G, S)
     qP, kP, kQ = dec.rows(q), dec.rows(k), dec.cols(k)
     A_qk = dec.scores(*qP, *kQ, diagonal=0)  # causal [C, C] per chunk, block form
     A_kk = dec.scores(*kP, *kQ, diagonal=-1)
-    Gam = _exp_floored(G.clone())  # exp(G) (<= 1 for g <= 0)
+    del qP, kP, kQ  # freed blocks are reused while still in cache (here and below)
+    # exp(G) (<= 1 for g <= 0), in place where the factors no longer need G (only the exact form keeps it)
+    Gam = _exp_floored(G.clone() if dec.exact else G)
     E = dec.last_row_decay()  # exp(G_last - G)
     qg = q * Gam
-    X0 = torch.cat([k * Gam, v], dim=-1)  # [kg | v]  [n, X, C, K + V]
+    torch.mul(k, Gam, out=X0[..., :K])  # X0 = [kg | v]
     beta1 = beta.unsqueeze(-1)
     Tm = A_kk.scale_rows(beta).unit_inverse()  # (I + Diag(beta) A_kk)^-1
     WU = Tm.mm(X0 * beta1)  # [W | U] = T Diag(beta) [kg | v]
-    K = q.shape[-1]
     W, U = WU[..., :K], WU[..., K:]  # strided views: BLAS takes them as they are
     d = Gam[..., -1, :].unsqueeze(-1)  # exp(G_last) [n, X, K, 1]
     Kd = k * E  # [n, X, C, K]
     Vp = torch.empty_like(U, memory_format=torch.contiguous_format)  # pseudo-values U - W S
-    for i in range(N):
-        n = n0 + i
-        torch.baddbmm(U[i], W[i], S_all[n], alpha=-1, out=Vp[i])
-        torch.baddbmm(d[i] * S_all[n], Kd[i].transpose(-1, -2), Vp[i], out=S_all[n + 1])
+    _state_forward(U, W, d, Kd, Vp, S_all[n0:n0 + N + 1])
+    del Kd, E
     o = A_qk.mm(Vp, acc=qg @ S_all[n0:n0 + N])
-    if scale != 1.0:
-        o.mul_(scale)
     dec.Q = None  # cheap products are recomputed in the backward: saving them costs more (DRAM traffic)
     return o, [q, k, beta, Gam, X0, WU, Vp, dec, A_qk, A_kk, Tm]
 
 
-def _backward_group(saved: tuple, S_all, dS_all, n0: int, do, outs) -> None:
+def _state_forward(U, W, d, Kd, Vp, S_n) -> None:
+    """The sequential part: Vp_i = U_i - W_i S_i into Vp, S_{i+1} = d_i S_i + Kd_i^T Vp_i into S_n[i + 1]."""
+    S_n = S_n.unbind(0)  # one call for all the per-chunk views the loop needs
+    for U_i, W_i, d_i, KdT_i, Vp_i, S_i, S_next in zip(U.unbind(0), W.unbind(0), d.unbind(0),
+                                                       Kd.transpose(-1, -2).unbind(0), Vp.unbind(0), S_n, S_n[1:]):
+        torch.baddbmm(U_i, W_i, S_i, alpha=-1, out=Vp_i)
+        torch.baddbmm(d_i * S_i, KdT_i, Vp_i, out=S_next)
+
+
+def _state_backward(dVp, Kd, d, W, dS_n) -> None:
+    """Its backward, last chunk first: dVp_i += Kd_i dS_{i+1}, dS_i += d_i dS_{i+1} - W_i^T dVp_i (dS_n[i] holds
+    the output path's term on entry)."""
+    dS_n = dS_n.unbind(0)
+    for dVp_i, Kd_i, d_i, WT_i, dS_i, dS_next in list(zip(dVp.unbind(0), Kd.unbind(0), d.unbind(0),
+                                                          W.transpose(-1, -2).unbind(0), dS_n, dS_n[1:]))[::-1]:
+        dVp_i.baddbmm_(Kd_i, dS_next)
+        dS_i.addcmul_(d_i, dS_next).baddbmm_(WT_i, dVp_i, alpha=-1)
+
+
+def _backward_group(saved: list, S_all, dS_all, n0: int, do, outs) -> None:
     """Backward of one group (groups run last to first): reads dS_all[n0 + n], writes dS_all[n0..n0 + n - 1] and
-    the group's slices of the input gradients `outs` = (dq, dk, dv, dg, dbeta)."""
+    the group's slices of the input gradients `outs` = (dq, dk, dv, dg, dbeta) (dq: of the scaled q)."""
     q, k, beta, Gam, X0, WU, Vp, dec, A_qk, A_kk, Tm = saved
     N, K = q.shape[0], q.shape[-1]
     dec.Q = torch.reciprocal(dec.P) if not dec.exact else None
     qg = q * Gam
     E = dec.last_row_decay()
     Kd = k * E
-    W = WU[..., :K]
+    W, U = WU[..., :K], WU[..., K:]
+    kg, v = X0[..., :K], X0[..., K:]
     S_prev, S_next = S_all[n0:n0 + N], S_all[n0 + 1:n0 + N + 1]
     dq_o, dk_o, dv_o, dg_o, dbeta_o = outs
 
-    # output o = qg S_prev + A_qk Vp (do arrives multiplied by the query scale)
+    # output o = qg S_prev + A_qk Vp
     dA_qk = _BlockLower.outer([(do, Vp, 1.0)], dec.n_s, diagonal=0)
     dVp = A_qk.mm_t(do)  # becomes the total gradient of Vp in the loop
     dqg = do @ S_prev.transpose(-1, -2)
     torch.matmul(qg.transpose(-1, -2), do, out=dS_all[n0:n0 + N])
-    # the state recurrence, backwards
-    d = Gam[..., -1, :].unsqueeze(-1)
-    for i in range(N - 1, -1, -1):
-        n = n0 + i
-        dVp[i].baddbmm_(Kd[i], dS_all[n + 1])
-        dS_all[n].addcmul_(d[i], dS_all[n + 1]).baddbmm_(W[i].transpose(-1, -2), dVp[i], alpha=-1)
+    del qg
+    _state_backward(dVp, Kd, Gam[..., -1, :].unsqueeze(-1), W, dS_all[n0:n0 + N + 1])
+    del Kd
     dS_next = dS_all[n0 + 1:n0 + N + 1]
     dKd = Vp @ dS_next.transpose(-1, -2)  # [n, X, C, K]
     # whole-chunk decay exp(G_last) of the state path: sum_V dS_{n+1} S_{n+1} to every position (see dg)
     dG_last = (dS_next * S_next).sum(-1)  # [n, X, K]
 
-    # UT transform: [W | U] = T Diag(beta) X0, X0 = [kg | v]; dW = -dVp S^T, dU = dVp
-    dR = Tm.mm_t(torch.cat([(dVp @ S_prev.transpose(-1, -2)).neg_(), dVp], dim=-1))  # T^T [dW | dU]
-    dL = _BlockLower.outer([(dR, WU, -1.0)], dec.n_s, diagonal=-1)  # gradient of Diag(beta) A_kk
+    # UT transform: [W | U] = T Diag(beta) [kg | v]; dU = dVp, dW = -dVp S^T, so T^T dW = -(T^T dU) S^T
+    dRU = Tm.mm_t(dVp)  # T^T dU  [n, X, C, V]
+    nRW = dRU @ S_prev.transpose(-1, -2)  # -T^T dW  [n, X, C, K]
+    dL = _BlockLower.outer([(nRW, W, 1.0), (dRU, U, -1.0)], dec.n_s, diagonal=-1)  # grad of Diag(beta) A_kk
     beta1 = beta.unsqueeze(-1)
-    torch.add((dR * X0).sum(-1), dL.row_dot(A_kk), out=dbeta_o)
-    torch.mul(dR[..., K:], beta1, out=dv_o)
-    dkg = dR[..., :K].mul_(beta1)  # gradient of kg
+    torch.sum(dRU * v, -1, out=dbeta_o)
+    dbeta_o.sub_((nRW * kg).sum(-1)).add_(dL.row_dot(A_kk))
+    torch.mul(dRU, beta1, out=dv_o)
+    del dRU, dVp
+    ndkg = nRW.mul_(beta1)  # minus the gradient of kg
     dA_kk = dL.scale_rows_(beta)
     qP, kP, kQ = dec.rows(q), dec.rows(k), dec.cols(k)
 
@@ -349,29 +378,24 @@ def _backward_group(saved: tuple, S_all, dS_all, n0: int, do, outs) -> None:
     dq = dec.row_apply(dA_qk, *kQ, out=dq_o)
     dk_row = dec.row_apply(dA_kk, *kQ)
     dk_col = dec.col_apply([dA_qk, dA_kk], [qP, kP])
+    del qP, kP, kQ, dA_qk, dA_kk, dL
     # assemble: dq, dk, dG (dG_r = q dq + k (row-side terms) - k (column-side terms))
     dq.addcmul_(Gam, dqg)
-    dk_pos = dk_row.addcmul_(Gam, dkg)  # + kg path
+    dk_pos = dk_row.addcmul_(Gam, ndkg, value=-1)  # + kg path
     dk_neg = dk_col.addcmul_(E, dKd)  # + Kd path (exp(G_last - G))
     dG = q * dq
     dG.addcmul_(k, dk_pos).addcmul_(k, dk_neg, value=-1)
     torch.add(dk_pos, dk_neg, out=dk_o)
-    # dg_r = sum_{r' >= r} dG_r' + dG_last = total - cumsum_r + dG_r + dG_last
-    total = dG.sum(-2, keepdim=True).add_(dG_last.unsqueeze(-2))
-    torch.add(dG.sub_(dG.cumsum(-2)), total, out=dg_o)
+    # dg_r = sum_{r' >= r} dG_r' + dG_last = (cumsum_last + dG_last) - cumsum_r + dG_r
+    cs = dG.cumsum(-2)
+    total = cs[..., -1:, :] + dG_last.unsqueeze(-2)  # [n, X, 1, K]
+    torch.sub(total, cs, out=dg_o).add_(dG)
 
 
 def _group_view(x: torch.Tensor, n0: int, n1: int, C: int) -> torch.Tensor:
     """[B, T, H, D] -> view [n, B, H, C, D] of chunks n0..n1 (chunk-major; B, H merge into X on reshape)."""
     B, _, H, D = x.shape
     return x[:, n0 * C:n1 * C].view(B, n1 - n0, C, H, D).permute(1, 0, 3, 2, 4)
-
-
-def _to_group(x: torch.Tensor, n0: int, n1: int, C: int) -> torch.Tensor:
-    """Chunks n0..n1 of x [B, T, H, D] as [n, X, C, D] (X = B * H), contiguous (a copy unless B = H = 1)."""
-    B, _, H, D = x.shape
-    v = x[:, n0 * C:n1 * C].reshape(B, n1 - n0, C, H, D).permute(1, 0, 3, 2, 4)
-    return v.reshape(n1 - n0, B * H, C, D)
 
 
 def _tensor_slots(obj):
@@ -400,7 +424,7 @@ def _set(container, key, value) -> None:
 class ChunkKDA(torch.autograd.Function):
     """(q, k, v, g, beta, S0, C, S, scale) -> (o [B, T, H, V], S_N [X, K, V]) for q, k, g [B, T, H, K],
     v [B, T, H, V], beta [B, T, H] with T a multiple of the chunk size C, S0 [X = B * H, K, V]. S: the sub-block
-    size (`sub_block_size`); q comes unscaled, o is the attention of (scale q).
+    size (`sub_block_size`); q comes unscaled, o is the attention of (scale q) (scaled while copied in).
 
     Chunks are processed in groups of about `GROUP_BYTES` per tensor (forward first to last, backward last to
     first, the state carried between groups); each group is copied into the chunk-major layout [n, X, C, D] when
@@ -409,18 +433,27 @@ class ChunkKDA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, S0, C: int, S: int, scale: float):
         B, T, H, K = q.shape
-        N = T // C
-        step = max(1, GROUP_BYTES // max(B * H * C * K * q.element_size(), 1))
+        V = v.shape[-1]
+        X, N = B * H, T // C
+        step = max(1, GROUP_BYTES // max(X * C * K * q.element_size(), 1))
         S_all = q.new_empty(N + 1, *S0.shape)  # states at chunk starts, and the final one
         S_all[0] = S0
         o = v.new_empty(v.shape)
         ctx.groups = []
         for n0 in range(0, N, step):
             n1 = min(N, n0 + step)
-            xs = [_to_group(x, n0, n1, C) for x in (q, k, v, g)]
-            beta_g = _to_group(beta.unsqueeze(-1), n0, n1, C).squeeze(-1)
-            o_g, saved = _forward_group(*xs, beta_g, S_all, n0, S, scale)
-            _group_view(o, n0, n1, C).copy_(o_g.view(n1 - n0, B, H, C, -1))
+            n = n1 - n0
+            # chunk-major contiguous copies, fused with the first op on each input where there is one
+            q_g, k_g, G_g = (q.new_empty(n, X, C, K) for _ in range(3))
+            X0 = q.new_empty(n, X, C, K + V)  # [kg | v]
+            beta_g = q.new_empty(n, X, C)
+            torch.mul(_group_view(q, n0, n1, C), scale, out=q_g.view(n, B, H, C, K))
+            k_g.view(n, B, H, C, K).copy_(_group_view(k, n0, n1, C))
+            X0[..., K:].view(n, B, H, C, V).copy_(_group_view(v, n0, n1, C))
+            torch.cumsum(_group_view(g, n0, n1, C), -2, out=G_g.view(n, B, H, C, K))
+            beta_g.view(n, B, H, C, 1).copy_(_group_view(beta.unsqueeze(-1), n0, n1, C))
+            o_g, saved = _forward_group(q_g, k_g, X0, G_g, beta_g, S_all, n0, S)
+            _group_view(o, n0, n1, C).copy_(o_g.view(n, B, H, C, V))
             ctx.groups.append((n0, n1, saved))
         ctx.C, ctx.BH, ctx.scale = C, (B, H), scale
         tensors = []  # the groups keep their structure; their tensors travel through save_for_backward
@@ -450,17 +483,16 @@ class ChunkKDA(torch.autograd.Function):
         dbeta = q.new_empty(B, T, H)
         for n0, n1, saved in reversed(ctx.groups):
             n = n1 - n0
+            do_g = q.new_empty(n, X, C, V)
             if do is None:
-                do_g = q.new_zeros(n, X, C, V)
+                do_g.zero_()
             else:
-                do_g = _to_group(do, n0, n1, C)
-                if ctx.scale != 1.0:  # in place only on a copy, never on the incoming gradient
-                    aliased = do_g.untyped_storage().data_ptr() == do.untyped_storage().data_ptr()
-                    do_g = do_g * ctx.scale if aliased else do_g.mul_(ctx.scale)
-            outs = tuple(torch.empty(n, X, C, D, dtype=q.dtype, device=q.device) for D in (K, K, V, K))
-            outs += (q.new_empty(n, X, C),)
+                do_g.view(n, B, H, C, V).copy_(_group_view(do, n0, n1, C))
+            outs = tuple(q.new_empty(n, X, C, D) for D in (K, K, V, K)) + (q.new_empty(n, X, C),)
             _backward_group(saved, S_all, dS_all, n0, do_g, outs)
-            for full, g_ in zip((dq, dk, dv, dg), outs):
+            # q entered scaled: dq = scale * (gradient of the scaled q)
+            torch.mul(outs[0].view(n, B, H, C, K), ctx.scale, out=_group_view(dq, n0, n1, C))
+            for full, g_ in zip((dk, dv, dg), outs[1:4]):
                 _group_view(full, n0, n1, C).copy_(g_.view(n, B, H, C, -1))
             _group_view(dbeta.unsqueeze(-1), n0, n1, C).copy_(outs[4].view(n, B, H, C, 1))
         return dq, dk, dv, dg, dbeta, dS_all[0], None, None, None
