@@ -29,7 +29,7 @@ DEFAULT_CASES = ("tiny:256", "tiny:1024", "tiny:2048", "small:2048")
 def build(preset: str, seed: int = 0) -> tuple[K3ForCausalLM, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = K3ForCausalLM(K3Config.preset(preset)).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, foreach=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)  # as the trainer
     return model, opt
 
 
@@ -53,7 +53,7 @@ def make_deepspeed_step(model: K3ForCausalLM, ids_BT: torch.Tensor) -> Callable[
     import deepspeed
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # skip the 37 s comm-op JIT build
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, foreach=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)  # as the trainer
     cfg = {"train_micro_batch_size_per_gpu": ids_BT.shape[0], "gradient_accumulation_steps": 1,
            "zero_optimization": {"stage": 0}, "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
