@@ -200,16 +200,10 @@ def test_expert_blocks_cover_every_row_once_in_order():
     assert [sum(m for _, e2, m, _ in pieces if e2 == e) for e in range(len(counts))] == counts
 
 
-@pytest.mark.parametrize("recompute", [True, False])
-def test_blocks_and_split_experts_match_reference_fp64(monkeypatch, recompute):
-    """Tiny blocks: small experts share a block, the busy expert is split in pieces whose weight gradients
-    accumulate; forward and every gradient still equal the per-token reference."""
-    import model.moe.experts as experts_mod
-    monkeypatch.setattr(experts_mod, "BLOCK_ROWS", 5)
-    ex = _experts(E=6)
-    N, K = 23, 2
+def _assert_matches_reference(ex, idx: torch.Tensor, recompute: bool) -> None:
+    """Output and every gradient (z, w, expert weights) of the local dispatcher equal the per-token reference."""
+    N, K = idx.shape
     z = torch.randn(N, 7, dtype=torch.float64, requires_grad=True)
-    idx = torch.stack([torch.zeros(N, dtype=torch.long), 1 + torch.arange(N) % 5], dim=1)  # expert 0: 23 rows
     w = torch.rand(N, K, dtype=torch.float64, requires_grad=True)
     g = torch.randn(N, 7, dtype=torch.float64)
     params = [z, w, ex.w1, ex.w3, ex.w2]
@@ -218,6 +212,18 @@ def test_blocks_and_split_experts_match_reference_fp64(monkeypatch, recompute):
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
     for a, b in zip(torch.autograd.grad((out * g).sum(), params), torch.autograd.grad((ref * g).sum(), params)):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_blocks_and_split_experts_match_reference_fp64(monkeypatch, recompute):
+    """Tiny blocks: small experts share a block, the busy expert is split in pieces whose weight gradients
+    accumulate; forward and every gradient still equal the per-token reference."""
+    import model.moe.experts as experts_mod
+    monkeypatch.setattr(experts_mod, "BLOCK_ROWS", 5)
+    ex = _experts(E=6)
+    N = 23
+    idx = torch.stack([torch.zeros(N, dtype=torch.long), 1 + torch.arange(N) % 5], dim=1)  # expert 0: 23 rows
+    _assert_matches_reference(ex, idx, recompute)
 
 
 @pytest.mark.parametrize("recompute", [True, False])
@@ -231,15 +237,7 @@ def test_balanced_routing_grouped_bmm_path_matches_reference_fp64(monkeypatch, r
     idx = idx[torch.randperm(N)]
     blocks = experts_mod.expert_blocks([6] * 6)
     assert all(experts_mod._uniform(ps) is not None for _, _, ps in blocks)  # the bmm path is the one tested
-    z = torch.randn(N, 7, dtype=torch.float64, requires_grad=True)
-    w = torch.rand(N, K, dtype=torch.float64, requires_grad=True)
-    g = torch.randn(N, 7, dtype=torch.float64)
-    params = [z, w, ex.w1, ex.w3, ex.w2]
-    out = LocalDispatcher(recompute)(z, idx, w, ex)
-    ref = _moe_ref(z, idx, w, ex)
-    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
-    for a, b in zip(torch.autograd.grad((out * g).sum(), params), torch.autograd.grad((ref * g).sum(), params)):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    _assert_matches_reference(ex, idx, recompute)
 
 
 def test_combine_sorted_is_bitwise_combine_slots_of_the_gathered_copy():
