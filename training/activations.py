@@ -57,13 +57,13 @@ def moe_elements(c: "K3Config") -> tuple[float, float]:
 
 def kda_sub_blocks(c: "K3Config") -> int:
     """Sub-blocks per chunk the chunked KDA kernel factorises its decayed scores into, for the worst-case decay the
-    gate bound allows (|g| <= |gate_lower_bound|; a trained model reaches it): n_s = C / S (model/kda/ops.py)."""
+    gate bound allows (|g| <= |gate_lower_bound|; a trained model reaches it): n_s = C / S (model/kda/chunk.py)."""
     import torch
 
-    from model.kda.ops import _sub_block_size
+    from model.kda.chunk import sub_block_size
 
     C, g = c.kda_chunk_size, c.kda_gate_lower_bound
-    S = _sub_block_size(C, abs(g), torch.float32) if g is not None else 0
+    S = sub_block_size(C, abs(g), torch.float32) if g is not None else 0
     return C // S if S else C  # unbounded gates: the exact [C, C, K] form, C times the memory
 
 

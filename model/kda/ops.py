@@ -34,8 +34,6 @@ import torch.nn.functional as F
 
 from model.kda.chunk import ChunkKDA, sub_block_size
 
-_sub_block_size = sub_block_size  # the activation-memory model (training/activations.py) asks for it
-
 
 # --------------------------------------------------------------------------------------------------------------
 # input checks and varlen packing
