@@ -91,6 +91,7 @@ def kda_check(T: int, H: int, K: int, reps: int, dev: str = "cuda") -> list[dict
 
 
 def train_check(seq: int, batch: int, steps: int, dev: str = "cuda", preset: str = "small") -> list[dict[str, Any]]:
+    from bench.train import make_step
     from model import K3Config, K3ForCausalLM
     from training.metrics.flops import flops_per_token
     from training.metrics.system import gpu_peak_flops
@@ -102,12 +103,7 @@ def train_check(seq: int, batch: int, steps: int, dev: str = "cuda", preset: str
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), device=dev)
 
-    def step() -> None:
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        model.update_balance()
+    step = make_step(model, opt, ids)  # the trainer's step, as bench/train.py times it on CPU
 
     cuda = dev == "cuda"
     step()
