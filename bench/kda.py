@@ -1,11 +1,13 @@
-"""KDA kernels, forward + backward: the chunked WY/UT path vs the per-token recurrent loop (and fla's pure-PyTorch
-`naive_chunk_kda` when fla is installed), B = 1, H = 4, K = V = 64, T in {512, 2048, 8192}.
+"""KDA kernels, forward + backward: the chunked WY/UT path vs the per-token reference loop `naive_recurrent_kda`
+(model/kda/naive.py; the "recurrent" peer, also the CPU decode path) and fla's pure-PyTorch `naive_chunk_kda` when
+fla is installed, B = 1, H = 4, K = V = 64, T in {512, 2048, 8192}.
 
     DS_ACCELERATOR=cpu .venv/bin/python -m bench.kda            # full run, writes bench/results/kda.json
     DS_ACCELERATOR=cpu .venv/bin/python -m bench.kda --T 512 --reps 3
+    DS_ACCELERATOR=cpu .venv/bin/python -m bench.kda --quick    # T = 2048, chunk 64, few reps, bench/results/kda_quick.json
 
 Goal (issue 2 §6 / issue 7): chunked >= 50x faster than the recurrent loop at T = 2048. Chunk sizes 64 (the
-spec's and fla's default), 32 and 16 are timed side by side: the result is identical, the cost is not (on CPU the
+default of docs/model.md §3 and fla), 32 and 16 are timed side by side: the result is identical, the cost is not (on CPU the
 intra-chunk work grows with C while the sequential steps shrink). All peers are timed round-robin in the same
 process so machine load affects them alike; medians and spread (max-min)/median are reported.
 """
@@ -21,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import peak_matmul_flops, print_table, time_interleaved, write_json
-from model.kda.ops import chunk_kda, recurrent_kda
+from model.kda.naive import naive_recurrent_kda
+from model.kda.ops import chunk_kda
 
 
 def make_inputs(T: int, H: int = 4, K: int = 64, V: int = 64, dtype: torch.dtype = torch.float32,
@@ -84,7 +87,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--fla-path", default=None,
                     help="directory with an unpacked fla-core wheel (fla/ops/kda/naive.py; einops beside it if it is "
                          "not installed) to time fla's naive_chunk_kda without installing fla")
+    ap.add_argument("--quick", action="store_true",
+                    help="T = 2048, chunk 64 only, 3 chunked reps and 1 loop rep, results name kda_quick")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.T, args.chunk_sizes, args.reps, args.loop_reps = [2048], [64], 3, 1
+        args.out = "kda_quick" if args.out == "kda" else args.out
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -96,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         peers: dict[str, Callable[[], None]] = {f"chunk{C}": fwd_bwd(chunk_kda, xs, chunk_size=C)
                                                 for C in args.chunk_sizes}
         reps = {name: args.reps for name in peers}
-        peers["recurrent"] = fwd_bwd(recurrent_kda, xs)
+        peers["recurrent"] = fwd_bwd(naive_recurrent_kda, xs)
         reps["recurrent"] = max(1, args.loop_reps if T <= 2048 else args.loop_reps // 2)
         if fla_naive is not None:
             peers["fla_naive"] = fwd_bwd(fla_naive, xs)

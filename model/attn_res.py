@@ -1,4 +1,4 @@
-"""Block Attention Residuals (spec §6): the residual stream replaced by a softmax mixture over depth.
+"""Block Attention Residuals (docs/model.md §6): the residual stream replaced by a softmax mixture over depth.
 
 Every sublayer input is `mix(V, w, g) = sum_n softmax_n(<w * g, V_n / rms(V_n)>) V_n` over a short list of
 candidates (the embedding, the completed block sums, and the running partial sum of the current block). The
@@ -12,7 +12,7 @@ RMSNorm(d) holding the key weight, same for `mlp_res_*`; final `output_attn_res_
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 from model.norm import upcast
@@ -85,15 +85,27 @@ def attn_res_mix(candidates: Sequence[torch.Tensor] | torch.Tensor, query_w: tor
     return _AttnResMix.apply(query_w, norm_w, float(eps), *cands)
 
 
-def attn_res_candidate_counts(num_layers: int, block_size: int) -> list[tuple[int, int]]:
-    """(#candidates for the attention input, #candidates for the FFN input) per layer, per spec §6.
+class MixtureSizes(NamedTuple):
+    """Candidates of every depth mixture in one forward pass (0 where nothing is mixed)."""
 
-    A bookkeeping mirror of `K3Model.forward` for planners and tests (K3: at most 9).
+    layers: list[tuple[int, int]]  # per decoder layer: (attention input, FFN input)
+    output: int  # the mixture before the final norm
+
+
+def attn_res_mixture_sizes(num_layers: int, block_size: int | None) -> MixtureSizes:
+    """How many candidates each Block AttnRes mixture has (docs/model.md §6), for the FLOPs and memory formulas.
+
+    The bookkeeping of `K3Model.forward` without tensors: layer 0's attention input is the embedding itself (0,
+    no mixture); every other sublayer mixes the completed blocks plus the running partial sum; the output mixes
+    all blocks plus the last partial sum. `block_size` 0 or None (plain PreNorm stack): every size is 0. K3 (93
+    layers, blocks of 12): at most 9.
     """
-    counts, n_blocks = [], 0  # before layer 0: blocks = [], partial = embedding
+    if not block_size:
+        return MixtureSizes([(0, 0)] * num_layers, 0)
+    layers, n_blocks = [], 0  # before layer 0: no completed block, partial = embedding
     for layer in range(num_layers):
-        attn = 1 if n_blocks == 0 else n_blocks + 1  # blocks + [partial]
+        attn = 0 if n_blocks == 0 else n_blocks + 1  # blocks + [partial]
         if layer % block_size == 0:
             n_blocks += 1  # the partial sum becomes a completed block
-        counts.append((attn, n_blocks + 1))  # blocks + [partial (now holding this layer's attention output)]
-    return counts
+        layers.append((attn, n_blocks + 1))  # blocks + [partial (now holding this layer's attention output)]
+    return MixtureSizes(layers, n_blocks + 1)

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from model.kda.chunk import ChunkKDA, sub_block_size
+from model.kda.naive import naive_recurrent_kda
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -109,30 +110,24 @@ def _use_fla(x: torch.Tensor) -> bool:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# recurrent form (decode, and the peer of the benchmark)
+# recurrent form (decode): fla's fused kernel on CUDA, else the reference loop of model/kda/naive.py
 # --------------------------------------------------------------------------------------------------------------
 def _recurrent_core(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, S_BHKV, scale: float):
-    """Token-by-token delta rule in the compute dtype. Returns o [B, T, H, V], S [B, H, K, V]."""
-    T = q_BTHK.shape[1]
-    q_BTHK = q_BTHK * scale
-    alpha_BTHK = g_BTHK.exp()
-    outs = []
-    for t in range(T):
-        k_BHK = k_BTHK[:, t]
-        S_BHKV = S_BHKV * alpha_BTHK[:, t, :, :, None]  # S' = Diag(alpha) S
-        kS_BHV = (k_BHK.unsqueeze(-2) @ S_BHKV).squeeze(-2)  # S'^T k
-        delta_BHV = beta_BTH[:, t, :, None] * (v_BTHV[:, t] - kS_BHV)
-        S_BHKV = S_BHKV + k_BHK.unsqueeze(-1) * delta_BHV.unsqueeze(-2)
-        outs.append((q_BTHK[:, t].unsqueeze(-2) @ S_BHKV).squeeze(-2))
-    o_BTHV = torch.stack(outs, dim=1) if outs else v_BTHV.new_zeros(v_BTHV.shape)
-    return o_BTHV, S_BHKV
+    """`naive_recurrent_kda` in `_run`'s core convention (inputs already in the compute dtype, state given)."""
+    return naive_recurrent_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, scale=scale, initial_state=S_BHKV,
+                               output_final_state=True)
 
 
 def recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                   scale: float | None = None, initial_state: torch.Tensor | None = None,
                   output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
                   chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Recurrent KDA, one token per step (decode). Same arguments as `chunk_kda`; `chunk_size` is ignored."""
+    """Recurrent KDA, one token per step (decode). Same arguments as `chunk_kda`; `chunk_size` is ignored.
+
+    On CUDA with fla: fla's `fused_recurrent_kda`. Elsewhere: the reference loop (model/kda/naive.py) behind the
+    same input checks, dtype policy and `cu_seqlens` unpacking as `chunk_kda` (a decode step has T = 1, where no
+    chunked form is faster).
+    """
     _check(q, k, v, g, beta, initial_state, cu_seqlens, None)
     if _use_fla(q):
         fla_recurrent = _fla_kda()[1]

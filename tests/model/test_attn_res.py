@@ -1,11 +1,11 @@
-"""Block Attention Residuals (spec §6, §10 item 12)."""
+"""Block Attention Residuals (docs/model.md §6, §10 item 12)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 import model.k3 as k3_module
-from model.attn_res import attn_res_candidate_counts, attn_res_mix
+from model.attn_res import attn_res_mix, attn_res_mixture_sizes
 from model.config import K3Config
 from model.k3 import K3ForCausalLM
 from tests.model.micro import micro_config
@@ -98,12 +98,15 @@ def test_zero_initialised_query_still_receives_gradient():
     assert w.grad.abs().sum() > 0
 
 
-def test_candidate_counts_follow_the_spec():
+def test_mixture_sizes_follow_the_block_algorithm():
     k3 = K3Config.preset("k3")
-    counts = attn_res_candidate_counts(k3.num_hidden_layers, k3.attn_res_block_size)
-    assert counts[0] == (1, 2)  # layer 0: embedding only, then [emb, a_0]
-    assert max(max(c) for c in counts) == 9  # 7 full blocks + partial + embedding
-    assert max(max(c) for c in attn_res_candidate_counts(8, 3)) == 4  # tiny: partial last block
+    sizes = attn_res_mixture_sizes(k3.num_hidden_layers, k3.attn_res_block_size)
+    assert sizes.layers[0] == (0, 2)  # layer 0: the embedding itself (no mixture), then [emb, a_0]
+    assert max(max(c) for c in sizes.layers) == 9 and sizes.output == 9  # 7 full blocks + partial + embedding
+    tiny = attn_res_mixture_sizes(8, 3)
+    assert max(max(c) for c in tiny.layers) == 4 and tiny.output == 4  # tiny: partial last block
+    off = attn_res_mixture_sizes(8, 0)
+    assert off.layers == [(0, 0)] * 8 and off.output == 0 and attn_res_mixture_sizes(8, None) == off
 
 
 def test_model_forward_uses_the_spec_candidate_counts(monkeypatch):
@@ -117,10 +120,11 @@ def test_model_forward_uses_the_spec_candidate_counts(monkeypatch):
 
     monkeypatch.setattr(k3_module, "attn_res_mix", spy)
     K3ForCausalLM(cfg).eval()(torch.randint(0, cfg.vocab_size, (1, 6)))
-    counts = attn_res_candidate_counts(5, 2)
+    sizes = attn_res_mixture_sizes(5, 2)
     # layer 0's attention input is the embedding itself (no mix); every other sublayer mixes its candidates
-    expected = [counts[0][1]] + [c for a, m in counts[1:] for c in (a, m)]
-    expected.append(3 + 1)  # output: blocks closed at layers 0, 2, 4 plus the partial sum
+    expected = [n for a, m in sizes.layers for n in (a, m) if n]
+    assert sizes.output == 3 + 1  # output: blocks closed at layers 0, 2, 4 plus the partial sum
+    expected.append(sizes.output)
     assert seen == expected
 
 

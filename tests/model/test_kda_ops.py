@@ -1,22 +1,29 @@
-"""chunk_kda / recurrent_kda against a slow, literal float64 oracle (spec §3, §10 items 1-4 and 16)."""
+"""chunk_kda / recurrent_kda against the float64 per-token reference of model/kda/naive.py (docs/model.md §3,
+§10 items 1-4 and 16); the reference itself against the product form of the recurrence."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from model.kda import chunk_kda, recurrent_kda
+from model.kda import chunk_kda, naive_recurrent_kda, recurrent_kda
 
 
 # --------------------------------------------------------------------------------------------------------------
-# the oracle: spec §3 written literally, one token at a time, float64
+# the reference (model/kda/naive.py), always in float64, and the product form it must equal
 # --------------------------------------------------------------------------------------------------------------
 def oracle_kda(q, k, v, g, beta, initial_state=None):
-    """S_t = (I - b_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + b_t k_t v_t^T;  o_t = S_t^T (q_t / sqrt(K))."""
-    q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
+    """The reference run in float64 whatever the inputs' dtype: (o, final state)."""
+    xs = [x.double() for x in (q, k, v, g, beta)]
+    S0 = None if initial_state is None else initial_state.double()
+    return naive_recurrent_kda(*xs, initial_state=S0, output_final_state=True)
+
+
+def product_form_kda(q, k, v, g, beta, initial_state):
+    """S_t = (I - b_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + b_t k_t v_t^T;  o_t = S_t^T (q_t / sqrt(K)), literally (fp64)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    S = torch.zeros(B, H, K, V, dtype=torch.float64) if initial_state is None else initial_state.double().clone()
+    S = initial_state.clone()
     eye = torch.eye(K, dtype=torch.float64)
     out = torch.zeros(B, T, H, V, dtype=torch.float64)
     for t in range(T):
@@ -67,12 +74,31 @@ def test_chunk_equals_oracle_fp64(chunk_size, T):
     assert max_err(S, S_ref) <= 1e-10
 
 
+def test_reference_equals_the_product_form_fp64():
+    (q, k, v, g, beta), S0 = make_inputs(T=23)
+    o, S = naive_recurrent_kda(q, k, v, g, beta, initial_state=S0, output_final_state=True)
+    o_ref, S_ref = product_form_kda(q, k, v, g, beta, S0)
+    assert max_err(o, o_ref) <= 1e-12
+    assert max_err(S, S_ref) <= 1e-12
+
+
 def test_recurrent_equals_oracle_fp64():
     (q, k, v, g, beta), S0 = make_inputs(T=23)
     o, S = recurrent_kda(q, k, v, g, beta, initial_state=S0, output_final_state=True)
     o_ref, S_ref = oracle_kda(q, k, v, g, beta, S0)
     assert max_err(o, o_ref) <= 1e-12
     assert max_err(S, S_ref) <= 1e-12
+
+
+def test_reference_keeps_low_precision_inputs_in_fp32_and_returns_their_dtype():
+    (q, k, v, g, beta), S0 = make_inputs(T=9, dtype=torch.bfloat16)
+    o, S = naive_recurrent_kda(q, k, v, g, beta, initial_state=S0, output_final_state=True)
+    assert o.dtype == torch.bfloat16 and S.dtype == torch.float32
+    o_ref, S_ref = oracle_kda(q, k, v, g, beta, S0)
+    assert max_err(S, S_ref) <= 1e-5
+    o_empty, S_empty = naive_recurrent_kda(q[:, :0], k[:, :0], v[:, :0], g[:, :0], beta[:, :0], initial_state=S0,
+                                           output_final_state=True)
+    assert o_empty.shape == (2, 0, 3, 12) and torch.equal(S_empty, S0.float())
 
 
 @pytest.mark.parametrize("chunk_size", [16, 64])
@@ -135,7 +161,7 @@ def test_chunk_gradients_fp32_are_finite_and_match_the_oracle(chunk_size):
 
 
 # --------------------------------------------------------------------------------------------------------------
-# properties of the recurrence (spec §10 items 2-4)
+# properties of the recurrence (docs/model.md §10 items 2-4)
 # --------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("fn", [chunk_kda, recurrent_kda])
 def test_beta_zero_is_pure_decay(fn):
