@@ -15,6 +15,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 SOURCE_TYPES = ("embedded", "jsonl", "json", "text", "parquet", "hub")
+SOURCE_FORMATS = ("text", "chat")
+TOKENIZER_TYPES = ("auto", "sentencepiece", "tiktoken")
+LONG_CONVERSATIONS = ("truncate", "drop")
+LOSS_ON = ("assistant", "all")
 EXHAUSTION_POLICIES = ("loop", "stop")
 PACKING_MODES = ("concat", "pad")
 TEXT_SAMPLE_BY = ("line", "paragraph", "document")
@@ -26,11 +30,14 @@ class DataError(ValueError):
 
 @dataclass
 class SourceConfig:
-    """One text source. `path` is a file, a directory, a glob, or (type hub) a hub dataset name."""
+    """One source. `path` is a file, a directory, a glob, or (type hub) a hub dataset name."""
 
     type: str = "embedded"  # embedded | jsonl | json (= JSON Lines) | text | parquet | hub
     path: str = ""  # ignored for embedded
     text_field: str = "text"  # jsonl/json/parquet/hub: the field holding the document
+    format: str = "text"  # text: one document per record | chat: record[messages_field] = [{role, content}, ...]
+    messages_field: str = "messages"  # chat: the field holding the conversation
+    name: Optional[str] = None  # stats/log key (`<name>/skipped_<kind>`); default: the file stem or "embedded"
     weight: float = 1.0  # relative mixing weight (> 0)
     text_sample_by: str = "line"  # text: one document per line | paragraph (blank-line separated) | document (file)
     hub_config: Optional[str] = None  # hub: dataset config name
@@ -39,8 +46,14 @@ class SourceConfig:
 
 @dataclass
 class TokenizerConfig:
-    """A sentencepiece model to load (`model_path`) or the settings to train one (cached by content hash)."""
+    """A tokenizer to load (`model_path`: a file or a checkpoint/tokenizer directory) or the settings to train one.
 
+    `type`: auto (detect from model_path: `tokenizer.model` -> sentencepiece, `tiktoken.model` -> tiktoken; train
+    sentencepiece when there is none) | sentencepiece | tiktoken (without model_path: a byte-level BPE in the
+    K3 release layout is trained on the sources, cached by content hash like the sentencepiece one).
+    """
+
+    type: str = "auto"
     model_path: Optional[str] = None
     vocab_size: int = 4096
     model_type: str = "bpe"  # bpe | unigram
@@ -67,6 +80,7 @@ class DataConfig:
     add_bos: bool = False  # prepend bos to every document
     add_eos: bool = True  # append eos to every document (the separator between packed documents)
     max_bad_fraction: float = 0.01  # per source: skipped/read above this (after >= 100 records or an epoch) -> error
+    long_conversations: str = "truncate"  # chat: a conversation longer than seq_len is cut to seq_len | dropped
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     cache_dir: Optional[str] = None  # default: $K3_CACHE_DIR or ~/.cache/k3-train
     num_workers: int = 1  # 0: produce batches in the caller; 1: one background prefetch thread
@@ -75,7 +89,11 @@ class DataConfig:
 
 # Fields that do not change the produced rows: excluded from the fingerprint.
 _NON_STREAM_FIELDS = ("cache_dir", "num_workers", "prefetch")
-_NON_STREAM_TOKENIZER_FIELDS = ("num_threads", "model_path")
+_NON_STREAM_TOKENIZER_FIELDS = ("num_threads", "model_path", "type")  # the tokenizer's own fingerprint decides
+_NON_STREAM_SOURCE_FIELDS = ("name",)
+# Fields added after v1 are left out of the fingerprint at their default, so older loader states still resume.
+_DEFAULT_ONLY = {"long_conversations": "truncate"}
+_SOURCE_DEFAULT_ONLY = {"format": "text", "messages_field": "messages"}
 
 
 def coerce_config(cfg: Any) -> DataConfig:
@@ -121,17 +139,38 @@ def validate(cfg: DataConfig) -> None:
         need(s.weight > 0, f"data.sources[{i}].weight={s.weight} must be > 0")
         need(s.text_sample_by in TEXT_SAMPLE_BY,
              f"data.sources[{i}].text_sample_by={s.text_sample_by!r} not in {TEXT_SAMPLE_BY}")
+        need(s.format in SOURCE_FORMATS, f"data.sources[{i}].format={s.format!r} is not one of {SOURCE_FORMATS}")
+        need(s.format == "text" or s.type not in ("embedded", "text"),
+             f"data.sources[{i}].format=chat needs records with a messages field: use type jsonl, json, parquet "
+             f"or hub (type {s.type} holds plain text)")
+    names = source_names(cfg)
+    need(len(set(names)) == len(names), f"data.sources names {names} are not unique: set data.sources[i].name")
     need(cfg.exhaustion in EXHAUSTION_POLICIES,
          f"data.exhaustion={cfg.exhaustion!r} is not one of {EXHAUSTION_POLICIES}")
     need(cfg.packing in PACKING_MODES, f"data.packing={cfg.packing!r} is not one of {PACKING_MODES}")
+    need(cfg.long_conversations in LONG_CONVERSATIONS,
+         f"data.long_conversations={cfg.long_conversations!r} is not one of {LONG_CONVERSATIONS}")
     need(cfg.shuffle_buffer >= 0, f"data.shuffle_buffer={cfg.shuffle_buffer} must be >= 0")
     need(0.0 <= cfg.max_bad_fraction <= 1.0, f"data.max_bad_fraction={cfg.max_bad_fraction} must be in [0, 1]")
     need(cfg.num_workers in (0, 1), f"data.num_workers={cfg.num_workers} must be 0 (inline) or 1 (background thread)")
     need(cfg.prefetch >= 1, f"data.prefetch={cfg.prefetch} must be >= 1")
     t = cfg.tokenizer
+    need(t.type in TOKENIZER_TYPES, f"data.tokenizer.type={t.type!r} is not one of {TOKENIZER_TYPES}")
     need(t.model_type in ("bpe", "unigram"), f"data.tokenizer.model_type={t.model_type!r} must be bpe or unigram")
     need(t.vocab_size >= 64, f"data.tokenizer.vocab_size={t.vocab_size} is too small (>= 64)")
     need(t.num_threads >= 1, f"data.tokenizer.num_threads={t.num_threads} must be >= 1")
+
+
+def source_names(cfg: DataConfig) -> list[str]:
+    """Stats/log name of every source: `name`, else the file stem (`embedded` for the stdlib corpus)."""
+    out = []
+    for i, s in enumerate(cfg.sources):
+        if s.name:
+            out.append(s.name)
+            continue
+        stem = "embedded" if s.type == "embedded" else Path(s.path.rstrip("/*")).name.split(".")[0] or f"s{i}"
+        out.append(stem if stem not in out else f"{stem}{i}")
+    return out
 
 
 def cache_dir(cfg: Optional[DataConfig] = None) -> Path:
@@ -149,6 +188,15 @@ def stream_dict(cfg: DataConfig) -> dict:
         d.pop(k)
     for k in _NON_STREAM_TOKENIZER_FIELDS:
         d["tokenizer"].pop(k)
+    for k, v in _DEFAULT_ONLY.items():
+        if d[k] == v:
+            d.pop(k)
+    for s in d["sources"]:
+        for k in _NON_STREAM_SOURCE_FIELDS:
+            s.pop(k)
+        for k, v in _SOURCE_DEFAULT_ONLY.items():
+            if s[k] == v:
+                s.pop(k)
     return d
 
 

@@ -17,11 +17,11 @@ import json
 import os
 import sys
 import sysconfig
-import tempfile
 from pathlib import Path
 from typing import Optional
 
 from data.config import cache_dir
+from data.files import atomic_open
 
 BUILDER_VERSION = 2  # v2: modules split into top-level sections (finer shuffling)
 _EXCLUDED_TOP = {"site-packages", "dist-packages", "encodings"}
@@ -83,17 +83,9 @@ def default_corpus_path(cache: Optional[Path] = None) -> Path:
     out = Path(cache or cache_dir()) / "corpus" / f"stdlib-{version}-v{BUILDER_VERSION}.jsonl"
     if out.is_file():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=".tmp-corpus-")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for rel, text in iter_stdlib_documents():
-                for i, piece in enumerate(split_sections(text)):
-                    path = rel if i == 0 else f"{rel}#{i}"
-                    f.write(json.dumps({"text": piece, "path": path}, ensure_ascii=False) + "\n")
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; the cache may be shared
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with atomic_open(out, "w") as f:
+        for rel, text in iter_stdlib_documents():
+            for i, piece in enumerate(split_sections(text)):
+                path = rel if i == 0 else f"{rel}#{i}"
+                f.write(json.dumps({"text": piece, "path": path}, ensure_ascii=False) + "\n")
     return out

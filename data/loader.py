@@ -6,8 +6,12 @@ The rows of optimizer step s are rows [s*G, (s+1)*G) of one global packed stream
 reach the model in the same steps whatever the world size and accumulation split (parallel-invariance tests,
 portable golden losses). The cost is that every rank tokenizes the whole stream (see bench/data.py for margin).
 
-State (`state_dict()`, JSON-able, ~ a few KB): the step, the micro-batches of it already returned, the pointer
-to the first row of that step (window anchor + doc + offset, see data/packing.py), stats and a fingerprint of
+Chat sources (`format: chat`) are rendered with `data.chat.renderer_for(tokenizer)` and pack like text, with a
+loss mask: `labels` is -100 wherever no loss is taken; `loss_on` ("assistant" | "all") is the trainer's
+`train.loss_on`.
+
+State (`state_dict()`, JSON-able, ~ a few KB): the step, the micro-batches of it already returned, the position
+of the first row of that step (window anchor + doc + offset, see data/packing.py), stats and a fingerprint of
 everything that decides the stream. It describes the position after the last micro-batch handed to the caller,
 never what the prefetch thread produced ahead.
 
@@ -24,7 +28,7 @@ import threading
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-from data.config import DataConfig, DataError, coerce_config, digest, stream_dict
+from data.config import LOSS_ON, DataConfig, DataError, coerce_config, digest, stream_dict
 from data.mixing import DocumentMixer, ShuffledWindows
 from data.packing import Packer, collate
 from data.sources import resolve_files, source_identity
@@ -37,8 +41,8 @@ STATE_VERSION = 1
 class _Item:
     step: int
     micro: int
-    ptr_start: dict  # pointer to the first row of `step`
-    ptr_end: dict  # pointer to the first row of `step + 1`
+    ptr_start: dict  # packer position of the first row of `step`
+    ptr_end: dict  # packer position of the first row of `step + 1`
     stats: dict  # global pipeline stats after producing `step`
     batch: dict
 
@@ -51,9 +55,19 @@ class GlobalBatchLoader:
     """Micro-batches of rank `rank` of `world_size`; the global batch of step s depends on (cfg, seed, s) only."""
 
     def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, global_batch_size: int,
-                 micro_batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0):
+                 micro_batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0,
+                 loss_on: str = "assistant"):
         self.cfg = coerce_config(cfg)
         self.tokenizer = tokenizer
+        if loss_on not in LOSS_ON:
+            raise DataError(f"loss_on={loss_on!r} is not one of {LOSS_ON} (train.loss_on)")
+        self.loss_on = loss_on
+        self.has_chat = any(s.format == "chat" for s in self.cfg.sources)
+        self.renderer = None
+        if self.has_chat:
+            from data.chat import renderer_for
+
+            self.renderer = renderer_for(tokenizer)
         self.seq_len, self.seed = int(seq_len), int(seed)
         self.global_batch_size, self.micro_batch_size = int(global_batch_size), int(micro_batch_size)
         self.rank, self.world_size = int(rank), int(world_size)
@@ -63,8 +77,11 @@ class GlobalBatchLoader:
         if self.cfg.add_bos and tokenizer.bos_id is None:
             raise DataError("data.add_bos is set but the tokenizer has no bos piece: use a model with bos_id >= 0")
         idents = [source_identity(s, resolve_files(s, i)) for i, s in enumerate(self.cfg.sources)]
-        self.fingerprint = digest({"data": stream_dict(self.cfg), "sources": idents, "seq_len": self.seq_len,
-                                   "seed": self.seed, "tokenizer": tokenizer.fingerprint})
+        fp = {"data": stream_dict(self.cfg), "sources": idents, "seq_len": self.seq_len, "seed": self.seed,
+              "tokenizer": tokenizer.fingerprint}
+        if self.has_chat:  # labels of conversations depend on it (text rows never do)
+            fp["loss_on"] = loss_on
+        self.fingerprint = digest(fp)
         self._step, self._micro_done, self._ptr = 0, 0, None  # next micro-batch to hand out
         self._stats: dict = {}
         self._rank_tokens = 0
@@ -87,14 +104,14 @@ class GlobalBatchLoader:
 
     # -- pipeline -----------------------------------------------------------------------------------------------
     def _build_packer(self, ptr: Optional[dict]) -> tuple[Packer, DocumentMixer]:
-        mixer = DocumentMixer(self.cfg, self.seed)
+        mixer = DocumentMixer(self.cfg, self.seed, self.renderer, report=self.rank == 0)
         windows = ShuffledWindows(mixer, self.cfg.shuffle_buffer, self.seed)
         tok = self.tokenizer
         pad = tok.pad_id if tok.pad_id is not None else (tok.eos_id if tok.eos_id is not None else 0)
-        packer = Packer(windows, tok.encode_batch, self.seq_len, self.cfg.packing,
-                        tok.bos_id if self.cfg.add_bos else None, tok.eos_id if self.cfg.add_eos else None, pad)
+        packer = Packer(windows, tok, self.seq_len, self.cfg.packing, tok.bos_id if self.cfg.add_bos else None,
+                        tok.eos_id if self.cfg.add_eos else None, pad, self.loss_on, self.cfg.long_conversations)
         if ptr is not None:
-            packer.restore(ptr)
+            packer.load_state_dict(ptr)
         return packer, mixer
 
     def _produce(self, step: int, skip_micro: int, ptr: Optional[dict]) -> Iterator[_Item]:
@@ -102,17 +119,17 @@ class GlobalBatchLoader:
         packer, mixer = self._build_packer(ptr)
         G, b, share = self.global_batch_size, self.micro_batch_size, self.global_batch_size // self.world_size
         while True:
-            ptr_start = packer.pointer()
+            ptr_start = packer.state_dict()
             rows = []
             for _ in range(G):
                 row = packer.next_row()
                 if row is None:
                     return  # stream ended (exhaustion: stop): the incomplete step is dropped
                 rows.append(row)
-            ptr_end = packer.pointer()
+            ptr_end = packer.state_dict()
             c = packer.counters
             stats = {"step": step, **c, "packing_efficiency": c["tokens"] / max(1, c["tokens"] + c["padding"]),
-                     **mixer.stats()}
+                     "loss_token_fraction": c["loss_tokens"] / max(1, c["tokens"]), **mixer.stats()}
             mine = rows[self.rank * share:(self.rank + 1) * share]
             for k in range(skip_micro, self.grad_accum):
                 yield _Item(step, k, ptr_start, ptr_end, stats, collate(mine[k * b:(k + 1) * b]))
@@ -180,7 +197,12 @@ class GlobalBatchLoader:
         return self.next_microbatch()
 
     def stats(self) -> dict:
-        """Global pipeline counters as of the last returned micro-batch's step, plus this rank's tokens."""
+        """Global pipeline counters as of the last returned micro-batch's step, plus this rank's tokens.
+
+        Keys: step, rows, tokens, padding, packing_efficiency, documents, loss_tokens, loss_token_fraction
+        (tokens carrying loss / non-pad tokens), conversations, conversations_truncated, conversations_dropped,
+        records_read, skipped {kind: n}, skipped_total, source_docs, source_epochs, `<source>/skipped_<kind>`
+        per source (the trainer logs numbers as data/<key>), rank_tokens."""
         return {**self._stats, "rank_tokens": self._rank_tokens}
 
     def state_dict(self) -> dict:

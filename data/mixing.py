@@ -15,23 +15,26 @@ position of the window start (mixer + source states), re-reading at most one win
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 
-from data.config import DataConfig
+from data.config import DataConfig, source_names
 from data.sources import SKIP_REASONS, SourceStream
 
 _MIX_SALT = 0x6D6978  # "mix"
 _SHUFFLE_SALT = 0x736866  # "shf"
 _UNSHUFFLED_WINDOW = 256  # documents tokenized per batch when shuffling is off
+Doc = Union[str, list]  # a text document, or a chat conversation's segments (data/chat.py)
 
 
 class DocumentMixer:
     """Endless (loop) or finite (stop) weighted interleaving of the source streams."""
 
-    def __init__(self, cfg: DataConfig, seed: int):
-        self.streams = [SourceStream(s, i, cfg.max_bad_fraction) for i, s in enumerate(cfg.sources)]
+    def __init__(self, cfg: DataConfig, seed: int, renderer=None, report: bool = True):
+        self.names = source_names(cfg)
+        self.streams = [SourceStream(s, i, cfg.max_bad_fraction, renderer, report, self.names[i])
+                        for i, s in enumerate(cfg.sources)]
         w = np.array([s.weight for s in cfg.sources], dtype=np.float64)
         self.cum_weights = np.cumsum(w / w.sum())
         self.loop = cfg.exhaustion == "loop"
@@ -39,17 +42,17 @@ class DocumentMixer:
         self.docs = [0] * len(self.streams)  # documents served per source
         self.ended = False
 
-    def state(self) -> dict:
+    def state_dict(self) -> dict:
         return {"rng": self.rng.bit_generator.state, "docs": list(self.docs), "ended": self.ended,
-                "sources": [s.state() for s in self.streams]}
+                "sources": [s.state_dict() for s in self.streams]}
 
-    def load_state(self, st: dict) -> None:
+    def load_state_dict(self, st: dict) -> None:
         self.rng.bit_generator.state = st["rng"]
         self.docs, self.ended = list(st["docs"]), st["ended"]
         for s, ss in zip(self.streams, st["sources"]):
-            s.load_state(ss)
+            s.load_state_dict(ss)
 
-    def next_doc(self) -> Optional[str]:
+    def next_doc(self) -> Optional[Doc]:
         if self.ended:
             return None
         i = 0
@@ -70,10 +73,12 @@ class DocumentMixer:
         return text
 
     def stats(self) -> dict:
-        skipped = {r: sum(s.skipped[r] for s in self.streams) for r in SKIP_REASONS}
+        skipped = {r: sum(s.skipped.get(r, 0) for s in self.streams) for r in SKIP_REASONS}
+        per_source = {f"{name}/skipped_{r}": s.skipped[r]
+                      for name, s in zip(self.names, self.streams) for r in s.reasons}
         return {"records_read": sum(s.total_read for s in self.streams), "skipped": skipped,
                 "skipped_total": sum(skipped.values()), "source_docs": list(self.docs),
-                "source_epochs": [s.epoch for s in self.streams]}
+                "source_epochs": [s.epoch for s in self.streams], **per_source}
 
 
 class ShuffledWindows:
@@ -85,18 +90,18 @@ class ShuffledWindows:
         self.size = shuffle_buffer if self.shuffle else _UNSHUFFLED_WINDOW
         self.index = 0  # next window to read
 
-    def anchor(self) -> dict:
-        """Where the next window starts: enough to re-read it exactly."""
-        return {"window": self.index, "mixer": self.mixer.state()}
+    def state_dict(self) -> dict:
+        """Where the next window starts (its anchor): enough to re-read it exactly."""
+        return {"window": self.index, "mixer": self.mixer.state_dict()}
 
-    def seek(self, anchor: dict) -> None:
+    def load_state_dict(self, anchor: dict) -> None:
         self.index = anchor["window"]
-        self.mixer.load_state(anchor["mixer"])
+        self.mixer.load_state_dict(anchor["mixer"])
 
-    def read(self) -> Optional[tuple[dict, list[str]]]:
+    def read(self) -> Optional[tuple[dict, list[Doc]]]:
         """(anchor of this window, its documents in shuffled order), or None when the stream has ended."""
-        anchor = self.anchor()
-        docs: list[str] = []
+        anchor = self.state_dict()
+        docs: list[Doc] = []
         while len(docs) < self.size:
             text = self.mixer.next_doc()
             if text is None:

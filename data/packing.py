@@ -1,29 +1,37 @@
 """Packing tokenized documents into fixed-length rows, and rows into model batches.
 
-Every document is `[bos]? tokens [eos]?` (eos is the separator between packed documents). Modes:
+A text document is `[bos]? tokens [eos]?` (eos is the separator between packed documents); a chat conversation
+is `[bos]? rendered conversation` (its turns already end with the format's end-of-message token) and carries a
+loss mask (data/chat.py). Modes (`data.packing`, for text documents):
 - `concat`: the token stream is cut into rows of exactly `seq_len`; a document may continue in the next row.
   No padding (packing efficiency 1.0).
 - `pad`: a document that would fit in an empty row but not in the rest of the current one starts a fresh row; the
   rest is padding (label -100). Documents longer than a row are split as in `concat`.
+A conversation is never split across rows (whatever the mode): one that does not fit the rest of the current row
+starts a fresh row, and one longer than `seq_len` is cut to `seq_len` (`data.long_conversations=truncate`) or
+dropped (`drop`); both are counted.
 
 A row starts a new segment at position 0 and at every document start (and at the padding), so a micro-batch
 flattened row-major to [1, b*T] carries `cu_seqlens` with a boundary at every row start and document start: KDA
 resets its state/conv there and MLA uses block-diagonal causal masks. The position of the next row is the small
-`pointer()`: (window anchor, document index in the shuffled window, token offset) plus counters.
+`state_dict()`: (window anchor, document index in the shuffled window, token offset) plus counters.
 """
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 
+from data.chat import encode_conversations
 from data.mixing import ShuffledWindows
 
 IGNORE_INDEX = -100
 _ENCODE_BATCH = 32  # documents per tokenizer call
+_COUNTERS = ("rows", "tokens", "padding", "documents", "loss_tokens", "conversations", "conversations_truncated",
+             "conversations_dropped")
 
 
 @dataclass
@@ -31,34 +39,43 @@ class Row:
     tokens: np.ndarray  # [T] int32 (padding = pad id)
     starts: list[int]  # segment starts inside the row, first is 0, increasing
     n_valid: int  # tokens before the padding
+    loss: Optional[np.ndarray] = None  # [T] bool: token is a loss target (None: every valid token)
+
+
+@dataclass
+class _Doc:
+    ids: np.ndarray  # [n] int32
+    loss: np.ndarray  # [n] bool
+    chat: bool
+    status: str = ""  # chat: "" | "truncated" | "dropped"
 
 
 class Packer:
-    """Turns the shuffled document windows into rows; exactly restorable from `pointer()`."""
+    """Turns the shuffled document windows into rows; exactly restorable from `state_dict()`."""
 
-    def __init__(self, windows: ShuffledWindows, encode: Callable[[list[str]], list[list[int]]], seq_len: int,
-                 mode: str, bos_id: Optional[int], eos_id: Optional[int], pad_id: int):
-        self.windows, self.encode, self.seq_len, self.mode = windows, encode, seq_len, mode
+    def __init__(self, windows: ShuffledWindows, tokenizer, seq_len: int, mode: str, bos_id: Optional[int],
+                 eos_id: Optional[int], pad_id: int, loss_on: str = "assistant", long_conversations: str = "truncate"):
+        self.windows, self.tokenizer, self.seq_len, self.mode = windows, tokenizer, seq_len, mode
         self.prefix = [bos_id] if bos_id is not None else []
         self.suffix = [eos_id] if eos_id is not None else []
-        self.pad_id = pad_id
+        self.pad_id, self.loss_on, self.long_conversations = pad_id, loss_on, long_conversations
         self.anchor: Optional[dict] = None  # window the next token comes from (None: stream start)
-        self.texts: Optional[list[str]] = None  # the current shuffled window
-        self.docs: dict[int, np.ndarray] = {}  # tokenized documents of the window (a small batch at a time)
+        self.texts: Optional[list] = None  # the current shuffled window (str or chat segments)
+        self.docs: dict[int, _Doc] = {}  # tokenized documents of the window (a small batch at a time)
         self.j = 0  # document index in the window
         self.o = 0  # token offset in that document
         self.ended = False
-        self.counters = {"rows": 0, "tokens": 0, "padding": 0, "documents": 0}
+        self.counters = {k: 0 for k in _COUNTERS}
 
     # -- position -----------------------------------------------------------------------------------------------
-    def pointer(self) -> dict:
+    def state_dict(self) -> dict:
         return {"anchor": copy.deepcopy(self.anchor), "doc": self.j, "offset": self.o, **self.counters}
 
-    def restore(self, ptr: dict) -> None:
-        self.counters = {k: int(ptr[k]) for k in self.counters}
+    def load_state_dict(self, ptr: dict) -> None:
+        self.counters = {k: int(ptr.get(k, 0)) for k in self.counters}
         self.anchor, self.texts, self.docs, self.j, self.o = None, None, {}, 0, 0
         if ptr["anchor"] is not None:
-            self.windows.seek(ptr["anchor"])
+            self.windows.load_state_dict(ptr["anchor"])
             self._load_window()
             self.j, self.o = ptr["doc"], ptr["offset"]
 
@@ -73,15 +90,35 @@ class Packer:
         self.j = self.o = 0
         return True
 
-    def _doc(self, j: int) -> np.ndarray:
-        """Tokens of window document j; tokenized lazily in small batches so a restore re-encodes little."""
+    def _encode(self, items: list) -> list[_Doc]:
+        """Tokenize a batch of documents (texts in one encode_batch call, conversations in another)."""
+        texts = [(k, d) for k, d in enumerate(items) if isinstance(d, str)]
+        convs = [(k, d) for k, d in enumerate(items) if not isinstance(d, str)]
+        out: list[Optional[_Doc]] = [None] * len(items)
+        for (k, _), ids in zip(texts, self.tokenizer.encode_batch([d for _, d in texts]) if texts else []):
+            arr = np.asarray(self.prefix + ids + self.suffix, dtype=np.int32)
+            out[k] = _Doc(arr, np.ones(len(arr), dtype=bool), False)
+        for (k, _), (ids, loss) in zip(convs, encode_conversations(self.tokenizer, [d for _, d in convs],
+                                                                   self.loss_on) if convs else []):
+            if self.prefix:
+                ids = np.concatenate([np.asarray(self.prefix, np.int32), ids])
+                loss = np.concatenate([np.asarray([self.loss_on == "all"]), loss])
+            doc = _Doc(ids, loss, True)
+            if len(ids) > self.seq_len:
+                if self.long_conversations == "drop":
+                    doc = _Doc(ids[:0], loss[:0], True, "dropped")
+                else:
+                    doc = _Doc(ids[:self.seq_len], loss[:self.seq_len], True, "truncated")
+            out[k] = doc
+        return out  # type: ignore[return-value]
+
+    def _doc(self, j: int) -> _Doc:
+        """Window document j; tokenized lazily in small batches so a restore re-encodes little."""
         if j not in self.docs:
-            texts = self.texts[j:j + _ENCODE_BATCH]
-            self.docs = {j + k: np.asarray(self.prefix + ids + self.suffix, dtype=np.int32)
-                         for k, ids in enumerate(self.encode(texts))}
+            self.docs = {j + k: d for k, d in enumerate(self._encode(self.texts[j:j + _ENCODE_BATCH]))}
         return self.docs[j]
 
-    def _current(self) -> Optional[np.ndarray]:
+    def _current(self) -> Optional[_Doc]:
         """The document holding the next token (skipping documents with nothing to pack), None at the end."""
         while True:
             if self.texts is None or self.j >= len(self.texts):
@@ -89,8 +126,10 @@ class Packer:
                     return None
                 continue
             doc = self._doc(self.j)
-            if len(doc):
+            if len(doc.ids):
                 return doc
+            if doc.status == "dropped":
+                self.counters["conversations_dropped"] += 1
             self.j, self.o = self.j + 1, 0
 
     # -- rows ---------------------------------------------------------------------------------------------------
@@ -98,46 +137,57 @@ class Packer:
         """The next row, or None when the stream ended before the row could be filled."""
         T = self.seq_len
         row = np.full(T, self.pad_id, dtype=np.int32)
+        loss = np.zeros(T, dtype=bool)
         starts: list[int] = []
         fill = 0
+        c = self.counters
         while fill < T:
             doc = self._current()
             if doc is None:
                 return None
-            rem = len(doc) - self.o
-            if self.mode == "pad" and self.o == 0 and fill > 0 and T - fill < rem <= T:
-                break  # fits a fresh row: pad this one
+            rem = len(doc.ids) - self.o
+            if self.o == 0 and fill > 0 and T - fill < rem and (doc.chat or (self.mode == "pad" and rem <= T)):
+                break  # fits a fresh row (conversations always do): pad this one
             if self.o == 0:
                 starts.append(fill)
-                self.counters["documents"] += 1
+                c["documents"] += 1
+                if doc.chat:
+                    c["conversations"] += 1
+                    c["conversations_truncated"] += doc.status == "truncated"
             elif fill == 0:
                 starts.append(0)  # a row start inside a document
             take = min(T - fill, rem)
-            row[fill:fill + take] = doc[self.o:self.o + take]
+            row[fill:fill + take] = doc.ids[self.o:self.o + take]
+            loss[fill:fill + take] = doc.loss[self.o:self.o + take]
             fill += take
             self.o += take
-            if self.o == len(doc):
+            if self.o == len(doc.ids):
                 self.j, self.o = self.j + 1, 0
         if fill < T:
             starts.append(fill)  # the padding is its own segment
-        self.counters["rows"] += 1
-        self.counters["tokens"] += fill
-        self.counters["padding"] += T - fill
-        return Row(row, starts, fill)
+        loss[starts] = False  # a segment's first token is never a target (see collate)
+        c["rows"] += 1
+        c["tokens"] += fill
+        c["padding"] += T - fill
+        c["loss_tokens"] += int(loss.sum())
+        return Row(row, starts, fill, loss)
 
 
 def collate(rows: list[Row]) -> dict:
     """Rows -> {input_ids [b,T] int64, labels [b,T] int64, cu_seqlens [n+1] int32, num_tokens int}.
 
     Labels follow the HF convention (the model shifts: position t predicts labels[t+1]); they equal input_ids
-    except -100 on padding and at every segment start (that label would be the target of the previous segment's
-    last token, which is never a loss target).
+    where the token is a loss target and -100 elsewhere: on padding, at every segment start (that label would be
+    the target of the previous segment's last token, which is never a loss target), and on the non-learned part
+    of conversations (prompts, under loss_on=assistant).
     """
     b, T = len(rows), len(rows[0].tokens)
     ids_BT = torch.from_numpy(np.stack([r.tokens for r in rows]).astype(np.int64))  # [b, T]
     labels_BT = ids_BT.clone()
     bounds = []
     for i, r in enumerate(rows):
+        if r.loss is not None:
+            labels_BT[i, torch.from_numpy(~r.loss)] = IGNORE_INDEX
         labels_BT[i, r.n_valid:] = IGNORE_INDEX
         labels_BT[i, r.starts] = IGNORE_INDEX
         bounds.extend(i * T + s for s in r.starts)

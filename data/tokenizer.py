@@ -1,173 +1,144 @@
-"""Sentencepiece tokenizer: train (streaming from the configured sources), load, batch-encode, decode, save.
+"""One tokenizer interface over two kinds: sentencepiece (trained here) and tiktoken (the Kimi K3 release).
 
-Trained models are lossless on any text: identity normalisation, no dummy prefix, whitespace kept (runs of spaces
-may be pieces, useful for code), byte fallback for everything outside the vocabulary. Special ids of trained
-models: pad 0, unk 1, bos 2, eos 3. `prepare_tokenizer(cfg)` loads `cfg.tokenizer.model_path` or trains one and
-caches it under `<cache>/tokenizers/<hash of sources + settings>.model`, so every rank and every later run reuses
-the identical file; `Tokenizer.save(dir)` copies it beside a checkpoint so a run stays reproducible.
+`Tokenizer` is the interface every part of data/ (and the trainer) uses: `encode`/`encode_batch`/`decode`,
+`vocab_size`, `bos_id`/`eos_id`/`pad_id`, `special_tokens`/`token_to_id`, `save(dir)`, `fingerprint`,
+`chat_template` and `Tokenizer.load(dir_or_file)`, which detects the kind from the files (`tokenizer.model` ->
+sentencepiece, `tiktoken.model` -> tiktoken). `prepare_tokenizer(cfg)` loads `data.tokenizer.model_path` or
+trains (once, cached by content hash) the configured kind; `load_tokenizer(dir)` brings a checkpoint's own.
 
-CLI: `python -m data.tokenizer train --out tok.model [--vocab-size N] [--source-type jsonl --source-path PATH
-[--text-field F]]` (no source: the embedded standard-library corpus); `python -m data.tokenizer encode
---model tok.model TEXT`.
+Special-token text inside ordinary text (`encode(text)`) is plain text for tiktoken; control tokens are passed
+to it by name (`allowed_special`) or looked up with `token_to_id`, which is how data/chat.py keeps user text from
+injecting a marker. (Sentencepiece user-defined symbols are always atomic: that kind has no such switch.)
+
+CLI: `python -m data.tokenizer train --out tok.model [--vocab-size N] [--source-type jsonl --source-path PATH]`
+(sentencepiece); `python -m data.tokenizer build-tiktoken --out DIR [--vocab-size 1024]` (a small tokenizer in
+the K3 release layout); `python -m data.tokenizer encode --model <file|dir> TEXT` (either kind).
 """
 from __future__ import annotations
 
+import abc
 import argparse
-import hashlib
 import os
-import shutil
-import tempfile
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import AbstractSet, Iterable, Literal, Optional, Sequence, Union
 
-import sentencepiece as spm
+from data.config import DataConfig, DataError, SourceConfig, coerce_config
 
-from data.config import DataConfig, DataError, SourceConfig, cache_dir, coerce_config, digest
-
-_MAX_LINE_CHARS = 4096  # sentencepiece drops longer training sentences; longer lines are cut into pieces
+AllowedSpecial = Union[Literal["all"], AbstractSet[str]]
 
 
-class Tokenizer:
-    """A loaded sentencepiece model (thin wrapper: batch encode, decode, ids of special tokens, save)."""
+class Tokenizer(abc.ABC):
+    """The interface; `Tokenizer.load(path)` returns the right kind for the files at `path`."""
 
-    def __init__(self, model_proto: bytes, path: Optional[str] = None, num_threads: int = 1):
-        self.sp = spm.SentencePieceProcessor(model_proto=model_proto)
-        self.model_proto, self.path, self.num_threads = model_proto, path, num_threads
-        self.fingerprint = hashlib.sha256(model_proto).hexdigest()[:16]
-
-    @classmethod
-    def load(cls, path: str | os.PathLike, num_threads: int = 1) -> "Tokenizer":
-        p = Path(path).expanduser()
-        if p.is_dir():
-            p = p / "tokenizer.model"
-        if not p.is_file():
-            raise DataError(f"tokenizer model {str(path)!r} not found: set data.tokenizer.model_path to a .model file")
-        return cls(p.read_bytes(), str(p), num_threads)
+    kind: str  # "sentencepiece" | "tiktoken"
+    fingerprint: str  # short sha256 of everything that decides the ids
+    path: Optional[str]  # the main file this tokenizer was loaded from, if any
+    chat_template: Optional[str] = None  # a jinja chat template shipped beside the tokenizer, if any
 
     @property
-    def vocab_size(self) -> int:
-        return self.sp.get_piece_size()
-
-    def _id(self, i: int) -> Optional[int]:
-        return i if i >= 0 else None
+    @abc.abstractmethod
+    def vocab_size(self) -> int: ...
 
     @property
-    def bos_id(self) -> Optional[int]:
-        return self._id(self.sp.bos_id())
+    @abc.abstractmethod
+    def bos_id(self) -> Optional[int]: ...
 
     @property
-    def eos_id(self) -> Optional[int]:
-        return self._id(self.sp.eos_id())
+    @abc.abstractmethod
+    def eos_id(self) -> Optional[int]: ...
 
     @property
-    def pad_id(self) -> Optional[int]:
-        return self._id(self.sp.pad_id())
+    @abc.abstractmethod
+    def pad_id(self) -> Optional[int]: ...
 
-    def encode(self, text: str) -> list[int]:
-        return self.sp.encode(text, out_type=int)
+    @property
+    @abc.abstractmethod
+    def special_tokens(self) -> dict[str, int]:
+        """Control/special token text -> id."""
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """Batch encode (sentencepiece's multi-threaded path when num_threads > 1)."""
-        return self.sp.encode(list(texts), out_type=int, num_threads=self.num_threads)
+    @abc.abstractmethod
+    def encode(self, text: str, allowed_special: AllowedSpecial = frozenset()) -> list[int]:
+        """Ids of `text`; special-token text is plain text unless named in `allowed_special` (or "all")."""
 
-    def decode(self, ids) -> str:
-        return self.sp.decode([int(i) for i in ids])
+    @abc.abstractmethod
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """`encode` of each text (plain text only), batched for speed."""
 
-    def save(self, directory: str | os.PathLike) -> Path:
-        """Write `<directory>/tokenizer.model` (the exact bytes this tokenizer was loaded from)."""
-        out = Path(directory) / "tokenizer.model"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_bytes(self.model_proto)
-        return out
+    @abc.abstractmethod
+    def decode(self, ids: Iterable[int]) -> str: ...
 
+    @abc.abstractmethod
+    def save(self, directory: Union[str, os.PathLike]) -> Path:
+        """Write the tokenizer's files into `directory`; returns the main file (loadable by `Tokenizer.load`)."""
 
-def _training_lines(cfg: DataConfig) -> Iterator[str]:
-    """Non-empty lines of one epoch of every source; source i contributes at most its weight share of the cap."""
-    from data.sources import SourceStream
+    def token_to_id(self, token: str) -> Optional[int]:
+        """Id of a special token by its text, None if this tokenizer has no such special token."""
+        return self.special_tokens.get(token)
 
-    total_w = sum(s.weight for s in cfg.sources)
-    for i, src in enumerate(cfg.sources):
-        budget = int(cfg.tokenizer.train_max_lines * src.weight / total_w)
-        stream = SourceStream(src, i, cfg.max_bad_fraction)
-        while budget > 0:
-            doc = stream.next_doc()
-            if doc is None:
-                break
-            for line in doc.split("\n"):
-                for k in range(0, len(line), _MAX_LINE_CHARS):
-                    piece = line[k:k + _MAX_LINE_CHARS]
-                    if piece.strip() and budget > 0:
-                        budget -= 1
-                        yield piece
+    @staticmethod
+    def load(path: Union[str, os.PathLike], num_threads: int = 1, kind: str = "auto") -> "Tokenizer":
+        """Load a tokenizer file or directory; `kind` auto detects it from the file names."""
+        return load_tokenizer(path, num_threads, kind)
 
 
-def train_tokenizer(cfg: DataConfig, out_path: str | os.PathLike) -> Tokenizer:
-    """Train a sentencepiece model on the configured sources (streamed) and write it to `out_path` atomically."""
-    cfg = coerce_config(cfg)
-    t = cfg.tokenizer
-    out = Path(out_path).expanduser()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    lines = _training_lines(cfg)
-    first = next(lines, None)
-    if first is None:
-        raise DataError("tokenizer training found no text in data.sources: configure a source with documents")
-
-    def all_lines():
-        yield first
-        yield from lines
-
-    spm.set_random_generator_seed(t.train_seed)
-    proto = _ProtoWriter()
-    try:
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=all_lines(), model_writer=proto, model_type=t.model_type, vocab_size=t.vocab_size,
-            byte_fallback=t.byte_fallback, character_coverage=t.character_coverage,
-            normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=False,
-            allow_whitespace_only_pieces=True, split_digits=True, max_sentence_length=4 * _MAX_LINE_CHARS + 16,
-            pad_id=0, unk_id=1, bos_id=2, eos_id=3, pad_piece=t.pad_piece, unk_piece=t.unk_piece,
-            bos_piece=t.bos_piece, eos_piece=t.eos_piece, user_defined_symbols=list(t.user_defined_symbols),
-            input_sentence_size=0, num_threads=1, minloglevel=2, hard_vocab_limit=True)
-    except RuntimeError as e:
-        raise DataError(f"sentencepiece training failed: {str(e).splitlines()[-1]} (e.g. lower "
-                        f"data.tokenizer.vocab_size={t.vocab_size} for a small corpus)") from e
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=".tmp-tok-")
-    with os.fdopen(fd, "wb") as f:
-        f.write(proto.data)
-    os.chmod(tmp, 0o644)  # mkstemp makes 0600; the cache may be shared
-    os.replace(tmp, out)
-    return Tokenizer(proto.data, str(out), t.num_threads)
+def detect_kind(path: Union[str, os.PathLike]) -> tuple[str, Path]:
+    """(kind, main file) for a tokenizer file or a directory holding `tokenizer.model` / `tiktoken.model`."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        for name, kind in (("tiktoken.model", "tiktoken"), ("tokenizer.model", "sentencepiece")):
+            if (p / name).is_file():
+                return kind, p / name
+        raise DataError(f"{str(path)!r} holds no tokenizer.model (sentencepiece) or tiktoken.model (tiktoken): "
+                        f"point data.tokenizer.model_path at a tokenizer file or directory")
+    if not p.is_file():
+        raise DataError(f"tokenizer {str(path)!r} not found: set data.tokenizer.model_path to a tokenizer file or "
+                        f"directory")
+    if p.name == "tiktoken.model":
+        return "tiktoken", p
+    with open(p, "rb") as f:
+        head = f.read(64)
+    looks_tiktoken = bool(head) and all(c < 128 for c in head) and b" " in head.split(b"\n")[0]
+    return ("tiktoken" if looks_tiktoken else "sentencepiece"), p
 
 
-class _ProtoWriter:
-    def __init__(self):
-        self.data = b""
+def load_tokenizer(path: Union[str, os.PathLike], num_threads: int = 1, kind: str = "auto") -> Tokenizer:
+    """The tokenizer at `path` (a file, a tokenizer directory or an HF checkpoint directory), kind auto-detected.
 
-    def write(self, b: bytes) -> int:
-        self.data += b
-        return len(b)
+    This is what `model.init_from=<dir>` uses: the checkpoint's own tokenizer, never a newly trained one.
+    """
+    found, main = detect_kind(path)
+    if kind not in ("auto", found):
+        raise DataError(f"data.tokenizer.type={kind} but {str(path)!r} holds a {found} tokenizer: set "
+                        f"data.tokenizer.type={found} (or auto)")
+    if found == "tiktoken":
+        from data.tiktoken_tokenizer import TiktokenTokenizer
+
+        return TiktokenTokenizer.load(main, num_threads)
+    from data.sp_tokenizer import SentencePieceTokenizer
+
+    return SentencePieceTokenizer.load(main, num_threads)
 
 
-def tokenizer_cache_key(cfg: DataConfig) -> str:
-    """Hash of what decides a trained model: the settings and the identity of the source data."""
-    from data.config import stream_dict
-    from data.sources import resolve_files, source_identity
+def train_tokenizer(cfg: DataConfig, out_path: Union[str, os.PathLike]) -> Tokenizer:
+    """Train a sentencepiece model on the configured sources (see data/sp_tokenizer.py)."""
+    from data.sp_tokenizer import train_sentencepiece
 
-    ids = [source_identity(s, resolve_files(s, i)) for i, s in enumerate(cfg.sources)]
-    d = stream_dict(cfg)
-    return digest({"tokenizer": d["tokenizer"], "sources": d["sources"], "data": ids,
-                   "max_bad_fraction": cfg.max_bad_fraction, "spm": spm.__version__})
+    return train_sentencepiece(cfg, out_path)
 
 
 def prepare_tokenizer(cfg) -> Tokenizer:
-    """Load `cfg.tokenizer.model_path`, or train (once, cached by content hash) the configured default."""
+    """Load `data.tokenizer.model_path`, or train (once, cached by content hash) the configured kind."""
     cfg = coerce_config(cfg)
     t = cfg.tokenizer
     if t.model_path:
-        return Tokenizer.load(t.model_path, t.num_threads)
-    path = cache_dir(cfg) / "tokenizers" / f"{t.model_type}{t.vocab_size}-{tokenizer_cache_key(cfg)}.model"
-    if path.is_file():
-        return Tokenizer.load(path, t.num_threads)
-    return train_tokenizer(cfg, path)
+        return load_tokenizer(t.model_path, t.num_threads, t.type)
+    if t.type == "tiktoken":
+        from data.bpe import prepare_tiktoken
+
+        return prepare_tiktoken(cfg)
+    from data.sp_tokenizer import prepare_sentencepiece
+
+    return prepare_sentencepiece(cfg)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -181,18 +152,37 @@ def main(argv: Optional[list[str]] = None) -> None:
     tr.add_argument("--source-path", default="")
     tr.add_argument("--text-field", default="text")
     tr.add_argument("--max-lines", type=int, default=2_000_000)
+    bt = sub.add_parser("build-tiktoken", help="a small tiktoken tokenizer directory in the K3 release layout")
+    bt.add_argument("--out", required=True)
+    bt.add_argument("--vocab-size", type=int, default=1024, help="total ids incl. the 256 special tokens")
+    bt.add_argument("--source-type", default="embedded")
+    bt.add_argument("--source-path", default="")
+    bt.add_argument("--source-format", default="text", help="text | chat (learn from message contents)")
+    bt.add_argument("--max-chars", type=int, default=400_000, help="characters of text the merges are learned on")
     en = sub.add_parser("encode", help="print the ids of TEXT")
-    en.add_argument("--model", required=True)
+    en.add_argument("--model", required=True, help="a tokenizer file or directory (either kind)")
+    en.add_argument("--allow-special", action="store_true", help="special-token text in TEXT becomes control ids")
     en.add_argument("text")
     a = p.parse_args(argv)
-    if a.cmd == "train":
-        cfg = DataConfig(sources=[SourceConfig(type=a.source_type, path=a.source_path, text_field=a.text_field)])
-        cfg.tokenizer.vocab_size, cfg.tokenizer.model_type = a.vocab_size, a.model_type
-        cfg.tokenizer.train_max_lines = a.max_lines
-        tok = train_tokenizer(cfg, a.out)
-        print(f"wrote {a.out}: vocab {tok.vocab_size}, sha256 {tok.fingerprint}")
-    else:
-        print(Tokenizer.load(a.model).encode(a.text))
+    try:
+        if a.cmd == "train":
+            cfg = DataConfig(sources=[SourceConfig(type=a.source_type, path=a.source_path, text_field=a.text_field)])
+            cfg.tokenizer.vocab_size, cfg.tokenizer.model_type = a.vocab_size, a.model_type
+            cfg.tokenizer.train_max_lines = a.max_lines
+            tok = train_tokenizer(cfg, a.out)
+            print(f"wrote {a.out}: vocab {tok.vocab_size}, sha256 {tok.fingerprint}")
+        elif a.cmd == "build-tiktoken":
+            from data.bpe import build_tiktoken_dir
+
+            src = SourceConfig(type=a.source_type, path=a.source_path, format=a.source_format)
+            tok = build_tiktoken_dir(a.out, a.vocab_size, DataConfig(sources=[src]), a.max_chars)
+            print(f"wrote {a.out}: tiktoken.model + tokenizer_config.json + chat_template.jinja, vocab "
+                  f"{tok.vocab_size} (bos {tok.bos_id}, eos {tok.eos_id}, pad {tok.pad_id}), sha256 {tok.fingerprint}")
+        else:
+            tok = load_tokenizer(a.model)
+            print(tok.encode(a.text, allowed_special="all" if a.allow_special else frozenset()))
+    except DataError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 if __name__ == "__main__":

@@ -117,10 +117,10 @@ def test_state_restores_position_exactly_twice_in_a_row(h, tmp_path, kind):
     first = SourceStream(src, 0, 0.0)
     got = [first.next_doc() for _ in range(50)]
     second = SourceStream(src, 0, 0.0)
-    second.load_state(json.loads(json.dumps(first.state())))
+    second.load_state_dict(json.loads(json.dumps(first.state_dict())))
     got += [second.next_doc() for _ in range(45)]
     third = SourceStream(src, 0, 0.0)
-    third.load_state(json.loads(json.dumps(second.state())))
+    third.load_state_dict(json.loads(json.dumps(second.state_dict())))
     got += read_epoch(third)
     assert got == full
 
