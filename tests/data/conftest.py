@@ -57,7 +57,54 @@ def small_tokenizer(corpus_dir, tmp_path_factory):
     return train_tokenizer(cfg, tmp_path_factory.mktemp("tok") / "tok.model")
 
 
+# -- tiktoken / chat ---------------------------------------------------------------------------------------------
+MIXED = ["Hello, world! Naïve café — déjà vu.", "数据科学和机器学习 中文English混合 北京市 Pascal",
+         "def f(x):\n    return x ** 2  # square\n\n\n\tif x:\n\t\tpass", "emoji 🙂🚀👍🏽 and 🇫🇷 flags",
+         "    four spaces\n\n\n   \t  mixed   whitespace runs   ", "1234567890 3.14159 1e-9",
+         "こんにちは世界 한국어 текст عربى", "a\x00b\x01c", ""]
+
+
+@pytest.fixture(scope="session")
+def chat_rows() -> list[list[dict]]:
+    """200 template dialogues (data/examples/make_chat.py)."""
+    from data.examples.make_chat import make
+
+    return make(200, seed=3)
+
+
+@pytest.fixture(scope="session")
+def chat_file(tmp_path_factory, chat_rows) -> Path:
+    path = tmp_path_factory.mktemp("chat") / "chat.jsonl"
+    with open(path, "w", encoding="utf-8") as f:
+        for m in chat_rows:
+            f.write(json.dumps({"messages": m}, ensure_ascii=False) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiktoken_dir(tmp_path_factory, corpus_dir, chat_file) -> Path:
+    """A 1,024-id tokenizer in the K3 release layout, learned on the synthetic corpus + chat contents + MIXED."""
+    from data import DataConfig, SourceConfig
+    from data.bpe import build_tiktoken_dir
+
+    d = tmp_path_factory.mktemp("tiktoken")
+    write_jsonl(d.parent / "mixed.jsonl", MIXED[:-1] * 20)
+    cfg = DataConfig(sources=[SourceConfig(type="jsonl", path=str(corpus_dir / "big.jsonl")),
+                              SourceConfig(type="jsonl", path=str(chat_file), format="chat"),
+                              SourceConfig(type="jsonl", path=str(d.parent / "mixed.jsonl"))])
+    build_tiktoken_dir(d / "tok", 1024, cfg, max_chars=200_000)
+    return d / "tok"
+
+
+@pytest.fixture(scope="session")
+def tik(tiktoken_dir):
+    from data import load_tokenizer
+
+    return load_tokenizer(tiktoken_dir)
+
+
 class _Helpers:
+    MIXED = MIXED
     make_docs = staticmethod(make_docs)
     write_jsonl = staticmethod(write_jsonl)
     jsonl_cfg = staticmethod(jsonl_cfg)
