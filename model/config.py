@@ -1,6 +1,6 @@
 """K3Config: one dataclass for the whole text model, mirroring the released HF `text_config` keys.
 
-Field names are the HF keys (see ../shared/k3/HF_KEYS.md) so `config.json` round-trips; the few project-only
+Field names are the HF keys (docs/model.md §12) so `config.json` round-trips; the few project-only
 settings (balancer, chunk size) are saved too and ignored by other readers. The 3:1 KDA/MLA schedule is derived
 (`layer_types`), never hand-listed in presets. Every check raises `ConfigError` with one line naming the key and
 the fix.
@@ -33,7 +33,7 @@ class ConfigError(ValueError):
 
 
 def k3_schedule(num_layers: int) -> tuple[list[int], list[int]]:
-    """(kda_layers, full_attn_layers), 1-indexed: MLA iff l % 4 == 0 or l == L (spec §1), KDA otherwise."""
+    """(kda_layers, full_attn_layers), 1-indexed: MLA iff l % 4 == 0 or l == L (docs/model.md §1), KDA otherwise."""
     mla = [l for l in range(1, num_layers + 1) if l % 4 == 0 or l == num_layers]
     kda = [l for l in range(1, num_layers + 1) if l not in mla]
     return kda, mla
@@ -340,5 +340,5 @@ def _ceil_to(x: int, m: int) -> int:
 
 
 def a_log_storage_len(num_heads: int) -> int:
-    """Length A_log is stored with in a checkpoint: zero-padded to ceil(H/128)*128 (spec §12)."""
+    """Length A_log is stored with in a checkpoint: zero-padded to ceil(H/128)*128 (docs/model.md §12)."""
     return _ceil_to(num_heads, 128)

@@ -1,4 +1,5 @@
-"""Gated NoPE Multi-head Latent Attention (spec §4): q-LoRA, a shared 576-d latent KV stream, sigmoid output gate.
+"""Gated NoPE Multi-head Latent Attention (docs/model.md §4): q-LoRA, a shared 576-d latent KV stream, sigmoid
+output gate.
 
 K3's MLA has no RoPE, so the per-head key `k_h = [W_UK_h c_hat ; k_r]` never rotates and the up-projection can be
 folded into the query (the "absorbed" form): attention becomes MQA over one `[c_hat ; k_r]` stream per token. Both
@@ -19,7 +20,7 @@ from torch import nn
 from model.config import K3Config
 from model.norm import RMSNorm, upcast
 
-# NeMo/BatchGen/mlxcel build both latent norms with eps 1e-6, not rms_norm_eps (spec §12).
+# NeMo/BatchGen/mlxcel build both latent norms with eps 1e-6, not rms_norm_eps (docs/model.md §12).
 MLA_LATENT_NORM_EPS = 1e-6
 
 
@@ -40,11 +41,11 @@ class MLACache:
     @property
     def width(self) -> int:
         """Values cached per token (r_kv + d_r); 0 while empty."""
-        return 0 if self.c_kv is None else int(self.c_kv.shape[-1] + self.k_r.shape[-1])
+        return 0 if self.c_kv is None or self.k_r is None else int(self.c_kv.shape[-1] + self.k_r.shape[-1])
 
     def append(self, c_kv_BTR: torch.Tensor, k_r_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append the new tokens' latents; returns the full cached (c_kv, k_r) including them."""
-        if self.c_kv is None:
+        if self.c_kv is None or self.k_r is None:
             self.c_kv, self.k_r = c_kv_BTR, k_r_BTD
         else:
             if self.c_kv.shape[0] != c_kv_BTR.shape[0]:
@@ -92,7 +93,7 @@ def attention_mask(q_len: int, kv_len: int, cu_seqlens: torch.Tensor | None, dev
 def sdpa(q_BHTE: torch.Tensor, k_BHSE: torch.Tensor, v_BHSV: torch.Tensor, mask_TS: torch.Tensor | None,
          is_causal: bool, scale: float) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v. SDPA's fused kernels (flash, memory-efficient, CPU flash) keep the softmax
-    in fp32 for bf16/fp16 inputs and fp64 inputs stay fp64: the spec's "at least fp32 softmax"."""
+    in fp32 for bf16/fp16 inputs and fp64 inputs stay fp64: docs/model.md §4's "softmax in ≥ fp32"."""
     E, V = q_BHTE.shape[-1], v_BHSV.shape[-1]
     if mask_TS is None and q_BHTE.device.type == "cpu" and V < E:
         # PyTorch's CPU flash kernel needs equal head dims; padding v with zeros selects it over the math path
@@ -120,7 +121,8 @@ def naive_mla_attention(q_BTHE: torch.Tensor, c_kv_BSR: torch.Tensor, k_r_BSD: t
 def absorbed_mla_attention(q_BTHE: torch.Tensor, c_kv_BSR: torch.Tensor, k_r_BSD: torch.Tensor, w_kvb: torch.Tensor,
                            num_heads: int, nope_dim: int, v_dim: int, mask_TS: torch.Tensor | None, is_causal: bool,
                            scale: float) -> torch.Tensor:
-    """MQA over the shared [c_hat ; k_r] stream (spec §4): q~_h = [W_UK_h^T q_h^n ; q_h^r], o_h = W_UV_h sum_s p c_hat.
+    """MQA over the shared [c_hat ; k_r] stream (docs/model.md §4): q~_h = [W_UK_h^T q_h^n ; q_h^r],
+    o_h = W_UV_h sum_s p c_hat.
 
     Exact because NoPE keys are never rotated, so W_UK_h commutes out of the score. Returns [B, T, H, dv].
     """
@@ -183,7 +185,7 @@ class GatedMLA(nn.Module):
         return self.kv_lora_rank + self.rope_dim
 
     def reset_parameters(self) -> None:
-        """Linear N(0, initializer_range), norms 1 (spec §4: no near-identity gate init)."""
+        """Linear N(0, initializer_range), norms 1 (docs/model.md §4: no near-identity gate init)."""
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, mean=0.0, std=self.initializer_range)

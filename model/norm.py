@@ -1,6 +1,6 @@
 """RMSNorm and the fp32-compute convention shared by every module.
 
-The spec computes norms, gates, routers and recurrences "in fp32". Tests also run whole models in float64
+docs/model.md §10: norms, gates, routers and recurrences compute "in fp32". Tests also run whole models in float64
 against an fp64 oracle, so "fp32" here means *at least* fp32: `upcast` never narrows float64.
 """
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Parameter counts from the real modules, built on the meta device (no memory, even for the 2.78T config).
 
-Conventions (spec §8): `A_log` counts H per KDA layer (the module holds it unpadded); "active" excludes the input
-embedding table and the E - k routed experts a token does not use, with the per-expert size read from the real
-stacked expert tensors. "Parameters" are the checkpoint tensors, i.e. the persistent state: trainable parameters
-plus the router's `e_score_correction_bias` buffer (spec §8 counts it: router = E*d + E).
+Conventions (docs/model.md §8): `A_log` counts H per KDA layer (the module holds it unpadded); "active" excludes
+the input embedding table and the E - k routed experts a token does not use, with the per-expert size read from
+the real stacked expert tensors. "Parameters" are the checkpoint tensors, i.e. the persistent state: trainable
+parameters plus the router's `e_score_correction_bias` buffer (docs/model.md §8 counts it: router = E*d + E).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The chunked KDA core as one autograd node: WY/UT forward (spec §3) and its hand-written backward.
+"""The chunked KDA core as one autograd node: WY/UT forward (docs/model.md §3) and its hand-written backward.
 
 Per chunk (chunk-major groups [n, X = B*H, C, D], copied from [B, T, H, D] group by group), with q scaled by the
 query scale, G = cumsum(g) and Gam = exp(G):
@@ -227,8 +227,12 @@ class _DecayFactors:
     def col_apply(self, Ms: list[_BlockLower], aPs: list[tuple[torch.Tensor, list[torch.Tensor]]]) -> torch.Tensor:
         """Y_i = sum_j sum_r M_j[r, i] exp(G_r - G_i) a_j,r (summed over the pairs j)."""
         if self.exact:
-            return sum((M.diag.squeeze(-3).unsqueeze(-1) * self.D * aP.unsqueeze(-2)).sum(-3)
-                       for M, (aP, _) in zip(Ms, aPs))
+            Y = None
+            for M, (aP, _) in zip(Ms, aPs):
+                term = (M.diag.squeeze(-3).unsqueeze(-1) * self.D * aP.unsqueeze(-2)).sum(-3)
+                Y = term if Y is None else Y + term
+            assert Y is not None  # at least one pair
+            return Y
         Y = torch.matmul(Ms[0].diag.transpose(-1, -2), self._blk(aPs[0][0]))
         for M, (aP, _) in zip(Ms[1:], aPs[1:]):
             Y.flatten(0, -3).baddbmm_(M.diag.transpose(-1, -2).flatten(0, -3), self._blk(aP).flatten(0, -3))
@@ -244,7 +248,9 @@ class _DecayFactors:
     def last_row_decay(self) -> torch.Tensor:
         """E = exp(G_last - G) [..., C, K] (<= 1) from the factors (no extra exp pass; exact form: from G)."""
         if self.exact:
-            return _exp_floored(self.G[..., -1:, :] - self.G)
+            G = self.G
+            assert G is not None  # kept by __init__ for the exact form
+            return _exp_floored(G[..., -1:, :] - G)
         S = self.S
         E = torch.empty_like(self.P)
         # last block: exp(G_last - G_m) exp(G_m - G_i), both within range
@@ -311,7 +317,9 @@ def _forward_group(q, k, X0, G, beta, S_all, n0: int, S: int) -> tuple[torch.Ten
     _state_forward(U, W, d, Kd, Vp, S_all[n0:n0 + N + 1])
     del Kd, E
     o = A_qk.mm(Vp, acc=qg @ S_all[n0:n0 + N])
-    dec.Q = None  # cheap products are recomputed in the backward: saving them costs more (DRAM traffic)
+    # cheap products are recomputed in the backward: saving them costs more (DRAM traffic). Q becomes None, not
+    # deleted: the saved structure (`_tensor_slots`) must be the same in the backward
+    dec.Q = None  # type: ignore[assignment]
     return o, [q, k, beta, Gam, X0, WU, Vp, dec, A_qk, A_kk, Tm]
 
 
@@ -339,7 +347,7 @@ def _backward_group(saved: list, S_all, dS_all, n0: int, do, outs) -> None:
     the group's slices of the input gradients `outs` = (dq, dk, dv, dg, dbeta) (dq: of the scaled q)."""
     q, k, beta, Gam, X0, WU, Vp, dec, A_qk, A_kk, Tm = saved
     N, K = q.shape[0], q.shape[-1]
-    dec.Q = torch.reciprocal(dec.P) if not dec.exact else None
+    dec.Q = torch.reciprocal(dec.P) if not dec.exact else None  # type: ignore[assignment]
     qg = q * Gam
     E = dec.last_row_decay()
     Kd = k * E

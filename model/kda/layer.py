@@ -1,7 +1,7 @@
-"""The KDA mixer layer (spec §3): projections, causal short conv + SiLU, L2-normed q/k, bounded per-channel decay,
-delta-rule write strength beta, gated per-head RMSNorm output.
+"""The KDA mixer layer (docs/model.md §3): projections, causal short conv + SiLU, L2-normed q/k, bounded
+per-channel decay, delta-rule write strength beta, gated per-head RMSNorm output.
 
-Attribute names are the HF checkpoint names (HF_KEYS.md) so checkpoint IO only renames prefixes. `A_log` is kept
+Attribute names are the HF checkpoint names (docs/model.md §12) so checkpoint IO only renames prefixes. `A_log` is kept
 unpadded [H] here; the checkpoint pads it to a multiple of 128 (model/hf.py owns that).
 """
 from __future__ import annotations
@@ -78,7 +78,7 @@ def segment_starts(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
 class KDA(nn.Module):
     """Kimi Delta Attention mixer. `forward(x_BTD, cu_seqlens=None, cache=None) -> y_BTD`; x is already input-normed.
 
-    `_keep_fp32` names the parameters that stay fp32 in a bf16 run (spec §12: they are fp32 in the release,
+    `_keep_fp32` names the parameters that stay fp32 in a bf16 run (docs/model.md §12: they are fp32 in the release,
     tiny and numerically sensitive); whoever casts the model (training/engine, model/hf) must skip them.
     """
 
@@ -109,7 +109,7 @@ class KDA(nn.Module):
         self.b_proj = nn.Linear(d, H, bias=False)
         if self.use_full_rank_gate:
             self.g_proj = nn.Linear(d, P, bias=False)
-        else:  # Kimi-Linear low-rank output gate (with a bias on the up projection, spec §3)
+        else:  # Kimi-Linear low-rank output gate (with a bias on the up projection, docs/model.md §3)
             self.g_a_proj = nn.Linear(d, K, bias=False)
             self.g_b_proj = nn.Linear(K, P, bias=True)
         self.o_norm = RMSNorm(K, eps=config.rms_norm_eps)
@@ -118,8 +118,9 @@ class KDA(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Spec §3 init: Linear N(0, initializer_range), conv PyTorch default, A_log 0 (bounded gate; Kimi-Linear
-        form: ln U[1, 16] as fla), dt_bias = log(expm1(dt)) with dt ~ exp(U[ln 1e-3, ln 1e-1]) >= 1e-4, o_norm 1."""
+        """Init (docs/model.md §3): Linear N(0, initializer_range), conv PyTorch default, A_log 0 (bounded gate;
+        Kimi-Linear form: ln U[1, 16] as fla), dt_bias = log(expm1(dt)) with dt ~ exp(U[ln 1e-3, ln 1e-1]) >= 1e-4,
+        o_norm 1."""
         std = self.config.initializer_range
         for m in self.modules():
             if isinstance(m, nn.Linear):
@@ -194,6 +195,7 @@ class KDA(nn.Module):
                                       output_final_state=cache is not None, cu_seqlens=cu_seqlens,
                                       chunk_size=self.chunk_size)
         if cache is not None:
+            assert state is not None  # output_final_state=True
             cache.recurrent_state = state.detach()
             cache.seen_tokens += T
 

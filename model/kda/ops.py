@@ -9,7 +9,7 @@ fla's Triton kernels unchanged:
     S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T,     o_t = S_t^T (scale * q_t)
 
 Everything is computed in (at least) fp32 and `o` is returned in q's dtype; the state is fp32 (fp64 for fp64
-inputs). On CPU the chunked path is the WY/UT algorithm of spec §3 in plain PyTorch, one autograd node with a
+inputs). On CPU the chunked path is the WY/UT algorithm of docs/model.md §3 in plain PyTorch, one autograd node with a
 hand-written backward (model/kda/chunk.py):
 
 1. intra-chunk work is batched over [chunks, B*H, C, ...]: decayed scores A_qk / A_kk, and W, U from the inverse
@@ -140,7 +140,7 @@ def recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
 # chunked form (the maths and its backward: model/kda/chunk.py)
 # --------------------------------------------------------------------------------------------------------------
 def _chunk_core(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, S_BHKV, scale: float, chunk_size: int):
-    """WY/UT chunked delta rule (spec §3) in the compute dtype; the kernel applies the query scale."""
+    """WY/UT chunked delta rule (docs/model.md §3) in the compute dtype; the kernel applies the query scale."""
     B, T, H, K = q_BTHK.shape
     V = v_BTHV.shape[-1]
     C = chunk_size

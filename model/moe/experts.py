@@ -36,7 +36,8 @@ class _Scratch:
     (the allocator hands freed blocks back to the OS, and the kernel re-zeroes the pages on the next touch)."""
 
     def __init__(self, rows: int, device: torch.device) -> None:
-        self.rows, self.device, self.bufs = rows, device, {}
+        self.rows, self.device = rows, device
+        self.bufs: dict[str, torch.Tensor] = {}
 
     def __call__(self, name: str, m: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
         buf = self.bufs.get(name)
@@ -54,7 +55,9 @@ def expert_blocks(counts: list[int], block_rows: int | None = None) -> list[tupl
     small; cache-sized ones when they are big), while the GEMMs still run per expert piece; weight gradients
     accumulate over an expert's pieces in row order (which depends on its row count only)."""
     block_rows = block_rows or BLOCK_ROWS
-    blocks, cur, start, rows = [], [], 0, 0
+    blocks: list[tuple[int, int, list[tuple]]] = []
+    cur: list[tuple] = []
+    start, rows = 0, 0
     for e, m in enumerate(counts):
         for o in range(0, m, block_rows):
             piece = min(block_rows, m - o)
@@ -221,7 +224,7 @@ def grouped_backward(
         ga = ws("ga", R, Im, dt)  # [R, Im] = g W2
         _rows_by_weight(experts, uni, g, w2, ga, transpose_w=False)
         ga = upcast(ga)
-        if row_weight_M is not None:
+        if row_weight_M is not None and g_p is not None:
             p = row_weight_M[sl].unsqueeze(-1)  # [R, 1]
             g_p[sl] = torch.mul(ga, a, out=ws("gaa", R, Im, ga.dtype)).sum(-1)  # <g W2, a> = <g, y>
             ga.mul_(p)

@@ -98,7 +98,7 @@ class Router(nn.Module):
             self.e_score_correction_bias.zero_()
 
     def _apply(self, fn, recurse=True):  # type: ignore[override]
-        """Keep the bias in (at least) fp32 under `.to(bfloat16)` / `.half()` (spec §12: an fp32 tensor)."""
+        """Keep the bias in (at least) fp32 under `.to(bfloat16)` / `.half()` (docs/model.md §12: an fp32 tensor)."""
         orig = self.e_score_correction_bias
         out = super()._apply(fn, recurse)
         b = self.e_score_correction_bias

@@ -12,7 +12,8 @@ from tests.model.micro import micro_config
 
 
 def reference_mix(cands: list[torch.Tensor], w: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
-    """Spec formula in float64: keys = RMSNorm(V_n) * g, logits = <w, key>, softmax over n, sum of raw V_n."""
+    """The formula of docs/model.md §6 in float64: keys = RMSNorm(V_n) * g, logits = <w, key>, softmax over n,
+    sum of raw V_n."""
     V = torch.stack([c.double() for c in cands])  # [N, ..., D]
     keys = V / torch.sqrt(V.pow(2).mean(-1, keepdim=True) + eps) * g.double()
     logits = (keys * w.double()).sum(-1)  # [N, ...]

@@ -1,4 +1,4 @@
-"""K3Config (issue 2 §4, spec §1/§9/§10 item 14): presets, the derived 3:1 schedule, HF config.json IO, and
+"""K3Config (issue 2 §4, docs/model.md §1/§9/§10 item 14): presets, the derived 3:1 schedule, HF config.json IO, and
 one-line validation errors that name the key."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from model.config import ConfigError, K3Config, a_log_storage_len, k3_schedule, preset_names
 
-K3_MLA_LAYERS = sorted({4 * k for k in range(1, 24)} | {93})  # 1-indexed, spec §1
+K3_MLA_LAYERS = sorted({4 * k for k in range(1, 24)} | {93})  # 1-indexed, docs/model.md §1
 
 
 # --- presets and the derived schedule -----------------------------------------------------------------------------

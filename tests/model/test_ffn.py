@@ -1,4 +1,4 @@
-"""SiTU-GLU (spec §5 Eq.12, §10 item 13)."""
+"""SiTU-GLU (docs/model.md §5 (report Eq. 12), §10 item 13)."""
 from __future__ import annotations
 
 import math

@@ -1,4 +1,5 @@
-"""The KDA layer: HF names and shapes, init, gate bounds, short conv, varlen resets, cached decoding (spec §3, §10)."""
+"""The KDA layer: HF names and shapes, init, gate bounds, short conv, varlen resets, cached decoding
+(docs/model.md §3, §10)."""
 from __future__ import annotations
 
 import math
@@ -55,14 +56,14 @@ def test_low_rank_output_gate_variant_has_kimi_linear_names():
 
 def test_tiny_preset_parameter_count_matches_spec():
     layer = KDA(K3Config.preset("tiny"), 0)
-    assert sum(p.numel() for p in layer.parameters()) == 364_868  # spec §9
+    assert sum(p.numel() for p in layer.parameters()) == 364_868  # docs/model.md §9
 
 
 def test_builds_on_meta_device():
     with torch.device("meta"):
         layer = KDA(K3Config.preset("k3"), 0)
     assert layer.q_proj.weight.is_meta and tuple(layer.A_log.shape) == (96,)
-    assert sum(p.numel() for p in layer.parameters()) == 443_740_384  # spec §3
+    assert sum(p.numel() for p in layer.parameters()) == 443_740_384  # docs/model.md §3
 
 
 def test_init_follows_spec():

@@ -20,7 +20,8 @@ def oracle_kda(q, k, v, g, beta, initial_state=None):
 
 
 def product_form_kda(q, k, v, g, beta, initial_state):
-    """S_t = (I - b_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + b_t k_t v_t^T;  o_t = S_t^T (q_t / sqrt(K)), literally (fp64)."""
+    """S_t = (I - b_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + b_t k_t v_t^T;  o_t = S_t^T (q_t / sqrt(K)), literally
+    (fp64)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     S = initial_state.clone()

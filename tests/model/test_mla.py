@@ -1,5 +1,5 @@
-"""Gated NoPE MLA (spec §4, §10 items 6-8, 16): naive ≡ fp64 per-head oracle, absorbed ≡ naive (incl. cached
-decode and chunked prefill), NoPE permutation invariance, causality, packed documents, output gate, shapes."""
+"""Gated NoPE MLA (docs/model.md §4, §10 items 6-8, 16): naive ≡ fp64 per-head oracle, absorbed ≡ naive (incl.
+cached decode and chunked prefill), NoPE permutation invariance, causality, packed documents, output gate, shapes."""
 from __future__ import annotations
 
 import math
@@ -20,7 +20,8 @@ def tiny_config(**overrides) -> K3Config:
 
 def make_layer(dtype: torch.dtype = torch.float64, seed: int = 0, **overrides) -> GatedMLA:
     """A layer with O(1) weights (fan-in scaled) and non-trivial norm scales, so attention is far from uniform and
-    every term of the formula moves the output; the spec init (std 0.02) would make scores nearly flat."""
+    every term of the formula moves the output; the init of docs/model.md §4 (std 0.02) would make scores nearly
+    flat."""
     torch.manual_seed(seed)
     layer = GatedMLA(tiny_config(**overrides), layer_idx=3)
     with torch.no_grad():
@@ -38,7 +39,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def reference_mla(layer: GatedMLA, x_BTD: torch.Tensor, cu_seqlens: list[int] | None = None) -> torch.Tensor:
-    """Slow float64 oracle written straight from spec §4: per token, per head, per key, explicit softmax."""
+    """Slow float64 oracle written straight from docs/model.md §4: per token, per head, per key, explicit softmax."""
     W = {k: v.detach().double() for k, v in layer.state_dict().items()}
     H, dn, dr, dv, rkv = layer.num_heads, layer.nope_dim, layer.rope_dim, layer.v_dim, layer.kv_lora_rank
     x = x_BTD.detach().double()

@@ -22,7 +22,7 @@ def _experts(E=6, Im=10, l=7, **kw) -> LatentExperts:
 
 
 def _expert_ref(ex: LatentExperts, j: int, z_L: torch.Tensor) -> torch.Tensor:
-    """Obviously-correct fp64 E_j(z) for one token, straight from the spec formula."""
+    """Obviously-correct fp64 E_j(z) for one token, straight from the formula of docs/model.md §5."""
     h1, h3 = ex.w1[j] @ z_L, ex.w3[j] @ z_L
     a = B1 * torch.tanh(h1 / B1) * torch.sigmoid(h1) * B2 * torch.tanh(h3 / B2)
     return ex.w2[j] @ a

@@ -1,4 +1,5 @@
-"""LatentMoE as a whole (spec §5, §10 items 9-10): the composed formula, latent norm, shapes, stats, meta build."""
+"""LatentMoE as a whole (docs/model.md §5, §10 items 9-10): the composed formula, latent norm, shapes, stats,
+meta build."""
 from __future__ import annotations
 
 import torch
@@ -22,7 +23,7 @@ def _glu(x, wg, wu, wd):
 
 
 def _reference(moe: LatentMoE, x_ND: torch.Tensor) -> torch.Tensor:
-    """Spec §5 Eq.11 token by token in fp64."""
+    """docs/model.md §5 (report Eq. 11) token by token in fp64."""
     ex, E, K = moe.experts, moe.num_experts, moe.top_k
     out = []
     for x in x_ND:
@@ -126,12 +127,12 @@ def test_k3_layer_builds_on_meta_with_exact_param_count():
     with torch.device("meta"):
         moe = LatentMoE(K3Config.preset("k3"), 1)
     n = sum(p.numel() for p in moe.parameters()) + moe.gate.e_score_correction_bias.numel()
-    assert n == 29_784_936_832  # spec §8: MoE layer total incl. the router bias
+    assert n == 29_784_936_832  # docs/model.md §8: MoE layer total incl. the router bias
     assert moe.experts.w1.is_meta
 
 
 def test_tiny_and_small_layer_param_counts():
-    for name, want in (("tiny", 657_544), ("small", 11_231_648)):  # spec §9 per-layer MoE counts
+    for name, want in (("tiny", 657_544), ("small", 11_231_648)):  # docs/model.md §9 per-layer MoE counts
         with torch.device("meta"):
             moe = LatentMoE(K3Config.preset(name), 1)
         assert sum(p.numel() for p in moe.parameters()) + moe.num_experts == want, name

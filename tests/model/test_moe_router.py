@@ -1,4 +1,4 @@
-"""Router (spec §5, §10 item 9): sigmoid scores, bias-corrected selection, unbiased renormalised weights."""
+"""Router (docs/model.md §5, §10 item 9): sigmoid scores, bias-corrected selection, unbiased renormalised weights."""
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,4 @@
-"""Parameter counts from the real modules on the meta device (spec §8, §9, §10 item 15; issue 2 §4)."""
+"""Parameter counts from the real modules on the meta device (docs/model.md §8, §9, §10 item 15; issue 2 §4)."""
 from __future__ import annotations
 
 import pytest
