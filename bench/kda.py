@@ -4,12 +4,12 @@ fla is installed, B = 1, H = 4, K = V = 64, T in {512, 2048, 8192}.
 
     DS_ACCELERATOR=cpu .venv/bin/python -m bench.kda            # full run, writes bench/results/kda.json
     DS_ACCELERATOR=cpu .venv/bin/python -m bench.kda --T 512 --reps 3
-    DS_ACCELERATOR=cpu .venv/bin/python -m bench.kda --quick    # T = 2048, chunk 64, few reps, bench/results/kda_quick.json
+    DS_ACCELERATOR=cpu .venv/bin/python -m bench.kda --quick    # T = 2048, chunk 64, few reps -> kda_quick.json
 
 Goal (issue 2 §6 / issue 7): chunked >= 50x faster than the recurrent loop at T = 2048. Chunk sizes 64 (the
-default of docs/model.md §3 and fla), 32 and 16 are timed side by side: the result is identical, the cost is not (on CPU the
-intra-chunk work grows with C while the sequential steps shrink). All peers are timed round-robin in the same
-process so machine load affects them alike; medians and spread (max-min)/median are reported.
+default of docs/model.md §3 and fla), 32 and 16 are timed side by side: the result is identical, the cost is not
+(on CPU the intra-chunk work grows with C while the sequential steps shrink). All peers are timed round-robin in
+the same process so machine load affects them alike; medians and spread (max-min)/median are reported.
 """
 from __future__ import annotations
 
