@@ -34,15 +34,6 @@ class MLACache:
     c_kv: torch.Tensor | None = None  # [B, S, r_kv]  c_hat = RMSNorm(c), post-norm
     k_r: torch.Tensor | None = None  # [B, S, d_r]    shared by all heads, NoPE
 
-    @property
-    def seq_len(self) -> int:
-        return 0 if self.c_kv is None else int(self.c_kv.shape[1])
-
-    @property
-    def width(self) -> int:
-        """Values cached per token (r_kv + d_r); 0 while empty."""
-        return 0 if self.c_kv is None or self.k_r is None else int(self.c_kv.shape[-1] + self.k_r.shape[-1])
-
     def append(self, c_kv_BTR: torch.Tensor, k_r_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append the new tokens' latents; returns the full cached (c_kv, k_r) including them."""
         if self.c_kv is None or self.k_r is None:
@@ -54,10 +45,6 @@ class MLACache:
             self.c_kv = torch.cat([self.c_kv, c_kv_BTR.to(self.c_kv.dtype)], dim=1)
             self.k_r = torch.cat([self.k_r, k_r_BTD.to(self.k_r.dtype)], dim=1)
         return self.c_kv, self.k_r
-
-    def reset(self) -> None:
-        self.c_kv = None
-        self.k_r = None
 
 
 # --- pure functions ---------------------------------------------------------------------------------------------
@@ -178,11 +165,6 @@ class GatedMLA(nn.Module):
         if self.use_output_gate:
             self.g_proj = nn.Linear(d, H * self.v_dim, bias=False)
         self.reset_parameters()
-
-    @property
-    def cache_width(self) -> int:
-        """Values cached per token: r_kv + d_r (576 for K3)."""
-        return self.kv_lora_rank + self.rope_dim
 
     def reset_parameters(self) -> None:
         """Linear N(0, initializer_range), norms 1 (docs/model.md §4: no near-identity gate init)."""

@@ -32,11 +32,6 @@ class KDACache:
     conv_state: dict[str, torch.Tensor] = field(default_factory=dict)
     seen_tokens: int = 0
 
-    def reset(self) -> None:
-        self.recurrent_state = None
-        self.conv_state = {}
-        self.seen_tokens = 0
-
 
 def l2_normalize(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
     """x / sqrt(||x||^2 + eps) over the last dim, in (at least) fp32."""

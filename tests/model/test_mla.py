@@ -117,7 +117,7 @@ def test_cached_decode_token_by_token_equals_naive_forward(dtype: torch.dtype) -
     x = torch.randn(2, 19, layer.hidden_size, dtype=dtype)
     cache = MLACache()
     y_steps = torch.cat([layer(x[:, t:t + 1], cache=cache) for t in range(x.shape[1])], dim=1)
-    assert cache.seq_len == 19
+    assert cache.c_kv.shape[1] == cache.k_r.shape[1] == 19
     assert rel_err(y_steps, layer(x, absorbed=False)) < TOL[dtype]
 
 
@@ -166,7 +166,7 @@ def test_cache_holds_post_norm_latent_and_unrotated_shared_key() -> None:
     layer(x, cache=cache)
     c, k_r = layer.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
     assert cache.c_kv.shape == (2, 5, cfg.kv_lora_rank) and cache.k_r.shape == (2, 5, cfg.qk_rope_head_dim)
-    assert cache.width == layer.cache_width == cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    assert cache.c_kv.shape[-1] + cache.k_r.shape[-1] == cfg.kv_lora_rank + cfg.qk_rope_head_dim
     torch.testing.assert_close(cache.c_kv, layer.kv_a_layernorm(c), rtol=0, atol=1e-14)
     torch.testing.assert_close(cache.k_r, k_r, rtol=0, atol=1e-14)
 
@@ -176,7 +176,7 @@ def test_k3_cache_width_is_576_values_per_token() -> None:
         layer = GatedMLA(K3Config.preset("k3"), layer_idx=3)
         cache = MLACache()
         layer(torch.empty(1, 3, 7168), cache=cache)
-    assert cache.width == layer.cache_width == 576
+    assert cache.c_kv.shape[-1] + cache.k_r.shape[-1] == 576
     assert tuple(cache.c_kv.shape) == (1, 3, 512) and tuple(cache.k_r.shape) == (1, 3, 64)
 
 
