@@ -14,8 +14,9 @@ after its generation prompt (its content and the markers that end the turn).
   (sandboxed environment, trim_blocks + lstrip_blocks, `messages`, `add_generation_prompt`, `bos_token`,
   `eos_token`, `raise_exception`; semantics learned from transformers' chat_template_utils, not copied).
   Message contents are rendered as unique placeholders first, so they are encoded as text and template text is
-  split on the tokenizer's special tokens; assistant spans are the prefix differences between rendering the
-  conversation up to a turn with and without that turn (the template must be prefix-stable).
+  split on the tokenizer's special tokens; an assistant span runs from the end of the generation prompt
+  (rendering the turns before it with `add_generation_prompt=True`) to the end of the turn; where the turn's
+  header differs from the generation prompt (e.g. a `name` attribute), from the start of its content.
 `renderer_for(tokenizer)` picks K3 when the tokenizer has the four markers, else its chat template.
 """
 from __future__ import annotations
@@ -183,9 +184,10 @@ class TemplateRenderer:
         for k, m in enumerate(messages):
             if m["role"] == "assistant":
                 pre, done = self.text(ph[:k], True), self.text(ph[:k + 1])
-                if not (done.startswith(pre) and full.startswith(done)):
+                start = len(pre) if done.startswith(pre) else done.rfind(_PH.format(k))
+                if start < 0 or not full.startswith(done):
                     raise ChatRowError("template_error", "the template is not prefix-stable at an assistant turn")
-                spans.append((len(pre), len(done)))
+                spans.append((start, len(done)))
         cuts = sorted({0, len(full), *(p for s in spans for p in s)})
         out: list[Segment] = []
         for a, b in zip(cuts, cuts[1:]):

@@ -26,10 +26,12 @@ import numpy as np
 import torch
 
 from data.chat import encode_conversations
+from data.config import DataError
 from data.mixing import ShuffledWindows
 
 IGNORE_INDEX = -100
 _ENCODE_BATCH = 32  # documents per tokenizer call
+_MAX_DROPPED_IN_A_ROW = 1000  # consecutive dropped conversations: the data cannot fill rows (never spin forever)
 _COUNTERS = ("rows", "tokens", "padding", "documents", "loss_tokens", "conversations", "conversations_truncated",
              "conversations_dropped")
 
@@ -66,6 +68,7 @@ class Packer:
         self.o = 0  # token offset in that document
         self.ended = False
         self.counters = {k: 0 for k in _COUNTERS}
+        self._dropped_in_a_row = 0
 
     # -- position -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -127,9 +130,15 @@ class Packer:
                 continue
             doc = self._doc(self.j)
             if len(doc.ids):
+                self._dropped_in_a_row = 0
                 return doc
             if doc.status == "dropped":
                 self.counters["conversations_dropped"] += 1
+                self._dropped_in_a_row += 1
+                if self._dropped_in_a_row >= _MAX_DROPPED_IN_A_ROW:
+                    raise DataError(f"{self._dropped_in_a_row} conversations in a row are longer than seq_len="
+                                    f"{self.seq_len} and were dropped (data.long_conversations=drop): raise "
+                                    f"train.seq_len or set data.long_conversations=truncate")
             self.j, self.o = self.j + 1, 0
 
     # -- rows ---------------------------------------------------------------------------------------------------

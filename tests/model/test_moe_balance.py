@@ -2,7 +2,6 @@
 layout invariance of the statistics (two simulated data-parallel ranks / micro-batches == one batch)."""
 from __future__ import annotations
 
-import threading
 
 import pytest
 import torch
@@ -35,8 +34,7 @@ def _qb_iterate(bal: Balancer, scores: torch.Tensor, steps: int) -> list[float]:
     cvs = [_cv(scores, bal.bias, bal.k)]
     for _ in range(steps):
         idx, _ = select_experts(scores, bal.bias, bal.k)
-        bal.observe(scores, idx)
-        bal.update()
+        bal.update(bal.observe(scores, idx))
         cvs.append(_cv(scores, bal.bias, bal.k))
     return cvs
 
@@ -58,15 +56,14 @@ def test_qb_bias_is_mean_centred():
 def test_qb_exact_bias_is_the_centred_k_over_e_quantile_of_margins():
     bal = _balancer(E=8, k=2)
     scores = torch.rand(1000, 8, dtype=torch.float64)
-    bal.observe(scores, select_experts(scores, bal.bias, 2)[0])
-    metrics = bal.update()
+    err = bal.update(bal.observe(scores, select_experts(scores, bal.bias, 2)[0]))
     alpha = torch.sort(scores, dim=1, descending=True).values[:, 2:3]  # (k+1)-th largest of s + 0
     r = alpha - scores  # expert j joins token i's top-k iff b_j > r_ij
     target = torch.stack([torch.sort(r[:, j]).values[249:251].mean() for j in range(8)])  # 250 = 1000*k/E below
     torch.testing.assert_close(bal.bias.double(), target - target.mean(), rtol=0, atol=1e-6)
     below, at_or_below = (r < target).double().mean(0), (r <= target).double().mean(0)
     assert (below <= 0.25).all() and (at_or_below >= 0.25).all()  # r = 0 ties (the (k+1)-th expert) straddle it
-    assert metrics["qb_est_error"] == pytest.approx(float((below - 0.25).abs().max()))
+    assert err == pytest.approx(float((below - 0.25).abs().max()))
 
 
 def test_exact_quantile_puts_fraction_q_strictly_below():
@@ -88,8 +85,7 @@ def test_histogram_qb_close_to_exact_qb():
     ex, hist = _balancer(estimator="exact"), _balancer(estimator="histogram")
     for _ in range(3):
         for bal in (ex, hist):
-            bal.observe(scores, select_experts(scores, bal.bias, 2)[0])
-            bal.update()
+            bal.update(bal.observe(scores, select_experts(scores, bal.bias, 2)[0]))
         # width of one bin over [min b - 1, max b + 1] is ~3e-3 here
         assert float((ex.bias - hist.bias).abs().max()) < 1e-2
     assert _cv(scores, hist.bias, 2) < 0.1
@@ -98,8 +94,7 @@ def test_histogram_qb_close_to_exact_qb():
 def test_sign_update_moves_bias_by_gamma_towards_underloaded_experts():
     bal = _balancer(mode="sign", E=4, k=1, moe_sign_update_rate=0.01)
     idx = torch.tensor([[0], [0], [0], [1], [2], [2], [0], [1]])  # loads 4, 2, 2, 0; mean 2
-    bal.observe(torch.rand(8, 4), idx)
-    bal.update()
+    bal.update(bal.observe(torch.rand(8, 4), idx))
     torch.testing.assert_close(bal.bias, torch.tensor([-0.01, 0.0, 0.0, 0.01]))
 
 
@@ -107,9 +102,9 @@ def test_none_and_aux_leave_bias_unchanged():
     for mode in ("none", "aux"):
         bal = _balancer(mode=mode)
         scores = _skewed_scores(m=256)
-        bal.observe(scores, select_experts(scores, bal.bias, 2)[0])
-        metrics = bal.update()
-        assert torch.equal(bal.bias, torch.zeros(16)) and metrics["load_cv"] > 0.5
+        stats = bal.observe(scores, select_experts(scores, bal.bias, 2)[0])
+        assert bal.update(stats) is None and torch.equal(bal.bias, torch.zeros(16))
+        assert int(stats.counts_E.sum()) == 256 * 2 and stats.margins_NE is None and stats.hist_EB is None
 
 
 def _aux_reference(scores_BTE, idx_BTK, coef):
@@ -149,64 +144,36 @@ def test_layer_returns_differentiable_aux_loss_in_aux_mode():
     assert eval_stats.aux_loss is None
 
 
-class _ThreadReducer:
-    """A fake 2-rank collective: `sum` adds and `cat` concatenates the two ranks' tensors (rank order)."""
-
-    def __init__(self, world: int, slots: list, barrier: threading.Barrier, rank: int) -> None:
-        self.world, self.slots, self.barrier, self.rank = world, slots, barrier, rank
-
-    def _exchange(self, t):
-        self.slots[self.rank] = t
-        self.barrier.wait()
-        got = list(self.slots)
-        self.barrier.wait()
-        return got
-
-    def sum(self, t):
-        return torch.stack(self._exchange(t)).sum(0)
-
-    def cat(self, t):
-        return torch.cat(self._exchange(t))
-
-
-def _run_ranks(bals: list[Balancer], per_rank_batches: list[list[torch.Tensor]]) -> None:
-    world = len(bals)
-    slots, barrier = [None] * world, threading.Barrier(world, timeout=60)
-    for bal, batches in zip(bals, per_rank_batches):
-        for scores in batches:  # gradient-accumulation micro-batches
-            bal.observe(scores, select_experts(scores, bal.bias, bal.k)[0])
-    threads = [threading.Thread(target=bal.update, args=(_ThreadReducer(world, slots, barrier, r),))
-               for r, bal in enumerate(bals)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+def _observe_parts(bal: Balancer, parts: list[torch.Tensor]):
+    """Statistics of several micro-batches / ranks, merged the way the trainer reduces them."""
+    stats = [bal.observe(p, select_experts(p, bal.bias, bal.k)[0]) for p in parts]
+    out = stats[0]
+    for s in stats[1:]:
+        out = out.merge(s)
+    return out
 
 
 @pytest.mark.parametrize("mode,estimator", [("quantile", "exact"), ("quantile", "histogram"), ("sign", "exact")])
-def test_statistics_split_over_two_ranks_give_the_one_rank_bias(mode, estimator):
+def test_statistics_split_over_ranks_and_micro_batches_give_the_one_batch_bias(mode, estimator):
     scores = _skewed_scores(m=600)
     one = _balancer(mode, estimator)
-    one.observe(scores, select_experts(scores, one.bias, 2)[0])
-    one.update()
-    # DP=2, GA=1 (uneven halves) and DP=2 with GA=2 on rank 0
-    two = [_balancer(mode, estimator), _balancer(mode, estimator)]
-    _run_ranks(two, [[scores[:250]], [scores[250:]]])
-    ga = [_balancer(mode, estimator), _balancer(mode, estimator)]
-    _run_ranks(ga, [[scores[:100], scores[100:300]], [scores[300:]]])
-    for bal in two + ga:
+    one.update(one.observe(scores, select_experts(scores, one.bias, 2)[0]))
+    # DP=2, GA=1 (uneven halves) and DP=2 with GA=2 on rank 0: the same global batch in other pieces
+    for parts in ([scores[:250], scores[250:]], [scores[:100], scores[100:300], scores[300:]]):
+        bal = _balancer(mode, estimator)
+        bal.update(_observe_parts(bal, parts))
         assert torch.equal(bal.bias, one.bias)
 
 
-def test_eval_forward_and_paused_record_nothing():
+def test_eval_forward_returns_counts_only_and_moves_nothing():
     from model.moe.layer import LatentMoE
     cfg = K3Config.preset("tiny")
     moe = LatentMoE(cfg, 1)
     x = torch.randn(2, 8, cfg.hidden_size)
-    moe.eval()(x)
-    with moe.balancer.paused():
-        moe.train()(x)
-    assert moe.balancer.update().get("load_cv") is None and torch.equal(moe.gate.e_score_correction_bias,
-                                                                          torch.zeros(cfg.num_experts))
-    moe.train()(x)
-    assert "load_cv" in moe.balancer.update()
+    _, stats = moe.eval()(x)
+    assert stats.balance.margins_NE is None and int(stats.tokens_per_expert.sum()) == 16 * cfg.num_experts_per_token
+    assert torch.equal(moe.gate.e_score_correction_bias, torch.zeros(cfg.num_experts))
+    _, stats = moe.train()(x)
+    assert stats.balance.margins_NE.shape == (16, cfg.num_experts)
+    moe.balancer.update(stats.balance)
+    assert not torch.equal(moe.gate.e_score_correction_bias, torch.zeros(cfg.num_experts))
