@@ -91,11 +91,10 @@ def kda_check(T: int, H: int, K: int, reps: int, dev: str = "cuda") -> list[dict
 
 
 def train_check(seq: int, batch: int, steps: int, dev: str = "cuda", preset: str = "small") -> list[dict[str, Any]]:
-    from bench.train import make_step
     from model import K3Config, K3ForCausalLM
     from training.metrics.flops import flops_per_token
     from training.metrics.system import gpu_peak_flops
-    from training.plan import Hardware, Layout, peak_bytes, plan
+    from training.tools.plan import Hardware, Layout, peak_bytes, plan
 
     cfg = K3Config.preset(preset)
     torch.manual_seed(0)
@@ -103,7 +102,15 @@ def train_check(seq: int, batch: int, steps: int, dev: str = "cuda", preset: str
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), device=dev)
 
-    step = make_step(model, opt, ids)  # the trainer's step, as bench/train.py times it on CPU
+    def step() -> float:
+        """The model's share of a training step in bf16 (bench/train.py times the full trainer step on CPU)."""
+        out = model(ids, labels=ids)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        for moe, s in zip(model.moe_layers(), out.router_stats):
+            moe.balancer.update(s.balance)
+        return float(out.loss.detach())
 
     cuda = dev == "cuda"
     step()

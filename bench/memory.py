@@ -7,8 +7,8 @@ Each case runs in a fresh child process: imports, the baseline, then model + Ada
 bwd + AdamW; the first allocates the optimizer state). Comparisons, each a ratio measured / estimated (goal: within
 10%):
 - activations: bytes autograd saves for backward in one forward (saved_tensors_hooks, each storage counted once)
-  vs `training.activations.activation_bytes` (fp32, attention='flash': see ATTENTION);
-- peak (the goal): the peak of tensor bytes over the steps vs `training.plan.plan`'s total for the same layout
+  vs `training.tools.activation_memory.activation_bytes` (fp32, attention='flash': see ATTENTION);
+- peak (the goal): the peak of tensor bytes over the steps vs `training.tools.plan.plan`'s total for the same layout
   (1 process, ZeRO-0, fp32, no buffers/reserve): weights + AdamW state + max(activations + loss backward, grads).
   Tensor bytes = glibc's in-use heap (`mallinfo2`, sampled every 0.2 ms by a thread; with a fixed 128 KiB mmap
   threshold every tensor above it is its own mapping: the CPU analogue of `torch.cuda.max_memory_allocated`)
@@ -49,9 +49,9 @@ def child(preset: str, seq_len: int) -> dict[str, float]:
     import torch
 
     from model import K3Config, K3ForCausalLM
-    from training.activations import activation_bytes
+    from training.tools.activation_memory import activation_bytes
     from training.metrics.heap import HeapPeak
-    from training.plan import Hardware, Layout, plan
+    from training.tools.plan import Hardware, Layout, plan
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     cfg = K3Config.preset(preset)

@@ -54,7 +54,8 @@ def child(run_dir: str) -> dict[str, float]:
     stamp("import_hydra_datasets_wandb")
     import data  # noqa: F401
     import model  # noqa: F401
-    from training import train as tr
+    from training import config as tr
+    from training.trainer import Trainer
     stamp("import_project")
 
     from hydra import compose, initialize_config_dir
@@ -63,13 +64,12 @@ def child(run_dir: str) -> dict[str, float]:
     with initialize_config_dir(config_dir=str(tr.CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="train", overrides=OVERRIDES + ONE_PROCESS + [f"run_dir={run_dir}"])
     mcfg = tr.validate(cfg, 1)
-    tr.check_data_config(cfg)
     stamp("compose_validate")
     from data import prepare_tokenizer
 
     prepare_tokenizer(OmegaConf.to_object(cfg.data))
     stamp("data_tokenizer_prep")
-    trainer = tr.Trainer(cfg, mcfg)  # the tokenizer is now cached: this is process group + model + engine + loader
+    trainer = Trainer(cfg, mcfg)  # the tokenizer is now cached: this is process group + model + engine + loader
     stamp("trainer_init_engine")
     trainer.train_step()
     stamp("first_step")

@@ -2,15 +2,10 @@
 decode one token at a time from the per-layer caches (KDA recurrent + conv state, MLA absorbed latent cache).
 
 Sampling: greedy (temperature 0), temperature, top-k, top-p, all driven by an explicit seeded torch.Generator so a
-seed reproduces a sample exactly. CLI:
-    python -m model.generate --checkpoint DIR --prompt-ids "1 2 3" [--max-new-tokens 32 --temperature 0.8 ...]
-`--prompt "text"` works when DIR holds a sentencepiece `tokenizer.model`.
+seed reproduces a sample exactly. The command line lives with the other tools: `python -m training.generate`.
 """
 from __future__ import annotations
 
-import argparse
-import os
-import sys
 from typing import Callable
 
 import torch
@@ -76,62 +71,3 @@ def generate(model: K3ForCausalLM, input_ids: torch.Tensor, max_new_tokens: int,
         return torch.cat(out, dim=1)
     finally:
         model.train(was_training)
-
-
-def _load_tokenizer(checkpoint: str):
-    path = os.path.join(checkpoint, "tokenizer.model")
-    if not os.path.isfile(path):
-        return None
-    import sentencepiece as spm
-
-    return spm.SentencePieceProcessor(model_file=path)
-
-
-def main(argv: list[str] | None = None) -> int:
-    from model.hf import load_hf_checkpoint
-
-    ap = argparse.ArgumentParser(description="Sample from a K3 HF checkpoint.")
-    ap.add_argument("--checkpoint", required=True, help="directory with config.json + safetensors")
-    ap.add_argument("--prompt-ids", help='space-separated token ids, e.g. "1 2 3"')
-    ap.add_argument("--prompt", help="text (needs tokenizer.model in the checkpoint directory)")
-    ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    ap.add_argument("--top-k", type=int, default=None)
-    ap.add_argument("--top-p", type=float, default=None)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default="float32")
-    ap.add_argument("--device", default="cpu")
-    args = ap.parse_args(argv)
-
-    tok = _load_tokenizer(args.checkpoint)
-    if (args.prompt is None) == (args.prompt_ids is None):
-        ap.error("give exactly one of --prompt-ids or --prompt")
-    if args.prompt is not None:
-        if tok is None:
-            ap.error(f"--prompt needs {os.path.join(args.checkpoint, 'tokenizer.model')}; use --prompt-ids instead")
-        ids = tok.encode(args.prompt)
-    else:
-        try:
-            ids = [int(x) for x in args.prompt_ids.replace(",", " ").split()]
-        except ValueError:
-            ap.error(f"--prompt-ids must be integers separated by spaces, got {args.prompt_ids!r}")
-    model = load_hf_checkpoint(args.checkpoint, dtype=getattr(torch, args.dtype), device=args.device)
-    vocab = model.config.vocab_size
-    if not ids or min(ids) < 0 or max(ids) >= vocab:
-        ap.error(f"prompt token ids must be non-empty and in [0, {vocab}), got {ids}")
-
-    def stream(t: torch.Tensor) -> None:
-        tid = int(t[0])
-        sys.stdout.write((tok.id_to_piece(tid).replace("\u2581", " ") if tok is not None else f" {tid}"))
-        sys.stdout.flush()
-
-    sys.stdout.write(args.prompt if args.prompt is not None else " ".join(map(str, ids)))
-    prompt = torch.tensor([ids], dtype=torch.long, device=args.device)
-    generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, seed=args.seed,
-             eos_token_id=model.config.eos_token_id, callback=stream)
-    sys.stdout.write("\n")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,13 +1,13 @@
-"""Hugging Face checkpoint IO: `config.json` + safetensors in the released key layout (HF_KEYS.md).
+"""Hugging Face checkpoint IO: `config.json` + safetensors in the released key layout (docs/model.md §12).
 
 The module tree already uses the HF names, so the mapping is small:
 - prefixes: save writes the text-only spelling (`model.*`, `lm_head.weight`); load also accepts the released
   `language_model.model.*` / `language_model.lm_head.weight` and ignores `vision_tower.*` / `mm_projector.*`;
 - routed experts: HF has one tensor per expert (`experts.{j}.w1.weight` [Im, l]); the model stacks them
   (`experts.w1` [E, Im, l]). Released experts are MXFP4 (`weight_packed` + `weight_scale`), dequantised on load;
-- `A_log`: stored zero-padded to ceil(H/128)*128 (spec §12); the model holds [H]; load uses the first H.
+- `A_log`: stored zero-padded to ceil(H/128)*128 (docs/model.md §12); the model holds [H]; load uses the first H.
 Loading reads safetensors only (never pickles) and checks the key set: unknown or missing keys raise one error
-listing them unless `strict=False`. With `dtype`, floating tensors are cast except the spec §12 fp32 ones.
+listing them unless `strict=False`. With `dtype`, floating tensors are cast except the docs/model.md §12 fp32 ones.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def _keeps_fp32(name: str) -> bool:
 
 
 def target_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
-    """`dtype`, except that the spec §12 fp32 tensors are never narrowed below fp32 (fp64 widens them too)."""
+    """`dtype`, except that the docs/model.md §12 fp32 tensors are never narrowed below fp32 (fp64 widens them too)."""
     if _keeps_fp32(name) and dtype in (torch.bfloat16, torch.float16):
         return torch.float32
     return dtype
@@ -251,14 +251,14 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype: torch.dtype | None = None
 
 
 def _cast_keep_fp32(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Cast floating parameters/buffers to `dtype`; the spec §12 fp32 tensors stay >= fp32."""
+    """Cast floating parameters/buffers to `dtype`; the docs/model.md §12 fp32 tensors stay >= fp32."""
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if t.is_floating_point():
             t.data = t.data.to(target_dtype(name, dtype))
 
 
 def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """`model.to(dtype)` that keeps the spec §12 fp32 tensors (conv weights, A_log, dt_bias, o_norm, router bias)
+    """`model.to(dtype)` that keeps the docs/model.md §12 fp32 tensors (conv weights, A_log, dt_bias, o_norm, router bias)
     in fp32; use it instead of `.to(torch.bfloat16)`."""
     _cast_keep_fp32(model, dtype)
     return model

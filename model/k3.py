@@ -1,10 +1,10 @@
 """The K3 language model: decoder layers (KDA | gated MLA mixer, dense | latent-MoE FFN) joined by Block AttnRes.
 
-Module paths are the HF text-only key spelling (HF_KEYS.md), so `state_dict()` is the checkpoint up to two
+Module paths are the HF text-only key spelling (docs/model.md §12), so `state_dict()` is the checkpoint up to two
 documented exceptions handled in `model/hf.py`: routed experts are stacked tensors (`experts.w1 [E, Im, l]`) and
 `A_log` is unpadded `[H]`.
 
-Residual stream (spec §2, §6): with `attn_res_block_size` set, every sublayer input is a softmax-over-depth mix
+Residual stream (docs/model.md §2, §6): with `attn_res_block_size` set, every sublayer input is a softmax-over-depth mix
 of the embedding, the completed block sums and the running partial sum; with it 0/None, the plain PreNorm stack
 `h = h + mixer(norm(h)); h = h + ffn(norm(h))`.
 """
@@ -173,7 +173,7 @@ class K3DecoderLayer(nn.Module):
             h = partial + self.self_attn(self.input_layernorm(partial), cu_seqlens=cu_seqlens, cache=cache)
             y, stats = self._ffn(self.post_attention_layernorm(h))
             return blocks, h + y, stats
-        # Block AttnRes, spec §6 (never mutates the caller's list: recomputation under checkpointing re-runs this)
+        # Block AttnRes, docs/model.md §6 (never mutates the caller's list: recomputation under checkpointing re-runs this)
         h_in = partial if not blocks else self._mix(
             blocks + [partial], self.self_attention_res_proj, self.self_attention_res_norm)
         if self.layer_idx % self.attn_res_block_size == 0:  # close the block (layer 0 closes b_0 = embedding)
@@ -186,24 +186,13 @@ class K3DecoderLayer(nn.Module):
 
     def forward(self, blocks: list[torch.Tensor], partial: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                 cache=None) -> tuple[list[torch.Tensor], torch.Tensor, object]:
-        """(completed blocks, partial sum) -> updated (blocks, partial, RouterStats | None)."""
+        """(completed blocks, partial sum) -> updated (blocks, partial, RouterStats | None).
+
+        Under activation checkpointing the backward re-runs `_forward`; its RouterStats are simply discarded,
+        so the routing of a micro-batch is counted once."""
         if self.gradient_checkpointing and self.training and cache is None and torch.is_grad_enabled():
-            return checkpoint(self._forward_recomputable(), blocks, partial, cu_seqlens, None, use_reentrant=False)
+            return checkpoint(self._forward, blocks, partial, cu_seqlens, None, use_reentrant=False)
         return self._forward(blocks, partial, cu_seqlens, cache)
-
-    def _forward_recomputable(self):
-        """`_forward` for torch.utils.checkpoint: the recomputation in backward must not accumulate balancing
-        statistics a second time, so the MoE balancer is paused for every call after the first."""
-        calls = [0]
-
-        def run(blocks, partial, cu_seqlens, cache):
-            calls[0] += 1
-            if calls[0] == 1 or not self.is_moe:
-                return self._forward(blocks, partial, cu_seqlens, cache)
-            with self.block_sparse_moe.balancer.paused():
-                return self._forward(blocks, partial, cu_seqlens, cache)
-
-        return run
 
 
 class K3Model(nn.Module):
@@ -222,7 +211,7 @@ class K3Model(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Embedding N(0, initializer_range) with the padding row zeroed (spec §7); output query 0, norms 1."""
+        """Embedding N(0, initializer_range) with the padding row zeroed (docs/model.md §7); output query 0, norms 1."""
         nn.init.normal_(self.embed_tokens.weight, mean=0.0, std=self.config.initializer_range)
         pad = self.config.pad_token_id
         if pad is not None:
@@ -263,8 +252,8 @@ class K3ForCausalLM(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Re-initialise every parameter per spec (e.g. after `to_empty` from the meta device): each module's
-        `reset_parameters`, children before parents so a module's own spec init wins over PyTorch defaults."""
+        """Re-initialise every parameter per docs/model.md (e.g. after `to_empty` from the meta device): each module's
+        `reset_parameters`, children before parents so a module's own init (docs/model.md) wins over PyTorch defaults."""
         for m in reversed(list(self.modules())):
             if hasattr(m, "reset_parameters"):
                 m.reset_parameters()
@@ -273,24 +262,9 @@ class K3ForCausalLM(nn.Module):
     def moe_layers(self) -> list[nn.Module]:
         return [layer.block_sparse_moe for layer in self.model.layers if layer.is_moe]
 
-    @torch.no_grad()
-    def update_balance(self, reducer=None) -> dict:
-        """Apply the balancing statistics accumulated since the last call (once per optimizer step).
-
-        Returns `{"layer{i}/<metric>": value}` merged over the MoE layers."""
-        metrics: dict = {}
-        for layer in self.model.layers:
-            if layer.is_moe:
-                for k, v in layer.block_sparse_moe.balancer.update(reducer).items():
-                    metrics[f"layer{layer.layer_idx}/{k}"] = v
-        return metrics
-
     def set_gradient_checkpointing(self, enabled: bool = True) -> None:
         for layer in self.model.layers:
             layer.gradient_checkpointing = enabled
-
-    def new_cache(self) -> K3Cache:
-        return K3Cache.empty(self.config)
 
     # --- forward -----------------------------------------------------------------------------------------------
     def _check_inputs(self, input_ids, labels, cu_seqlens, cache) -> None:

@@ -1,30 +1,75 @@
 """Typed training configuration: Hydra structured configs plus the cross-key validation.
 
-Every section is a dataclass registered in Hydra's ConfigStore, so a typo'd key or a wrong type fails when the
-config is composed, before any process group or run directory exists. `validate` adds the checks that span
-several keys (batch arithmetic, ZeRO/EP/offload combinations, model vs sequence length, missing files) and raises
-`TrainConfigError` with one line naming the key and the fix.
+Every section is a dataclass registered in Hydra's ConfigStore, so a typo'd key, a wrong type or a choice outside
+its Enum (precision, optimizer, schedule, logging mode, and every `Literal` field of K3Config such as
+`model.moe_balance`) fails when the config is composed, with Hydra's own message, before any process group or
+run directory exists. `validate` adds the checks that span several keys (batch arithmetic, ZeRO/EP/offload
+combinations, model vs sequence length, missing files) and raises `TrainConfigError` with one line naming the key
+and the fix.
 """
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
 import typing
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from data import DataConfig
+from data import DataConfig, DataError
+from data.config import coerce_config
 from model.config import ConfigError, K3Config, preset_names
-
-ZERO_GROUPS = ("zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
-BALANCE_MODES = ("quantile", "sign", "aux", "none")
 
 
 class TrainConfigError(ValueError):
     """A training configuration that must not start; the message is one line naming the key and the fix."""
+
+
+class Choice(str, Enum):
+    """A config choice: compares, prints and serialises as its value (`cfg.optim.name == "muon"`)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class Precision(Choice):
+    auto = "auto"  # fp32 on CPU (exact resume), bf16 on GPU
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+class OptimName(Choice):
+    adamw = "adamw"
+    muon = "muon"
+
+
+class ScheduleName(Choice):
+    cosine = "cosine"
+    wsd = "wsd"
+    constant = "constant"
+
+
+class LoggingMode(Choice):
+    offline = "offline"
+    online = "online"
+    disabled = "disabled"
+
+
+_LITERAL_ENUMS: dict[tuple, type[Choice]] = {}
+
+
+def _literal_enum(values: tuple) -> type[Choice]:
+    """One Choice Enum per distinct Literal of K3Config (its values are the one home of the choices)."""
+    if values not in _LITERAL_ENUMS:
+        _LITERAL_ENUMS[values] = Choice("Choice_" + "_".join(values), [(v, v) for v in values])  # type: ignore
+    return _LITERAL_ENUMS[values]
 
 
 # --- model: every K3Config field, optional (None = the preset's value) ----------------------------------------
@@ -32,7 +77,7 @@ def _omegaconf_type(tp: Any) -> Any:
     """Map K3Config's annotations (PEP 604 unions, Literal, builtin generics) onto types OmegaConf accepts."""
     origin = typing.get_origin(tp)
     if origin is typing.Literal:
-        return str
+        return _literal_enum(typing.get_args(tp))
     if origin in (dict, Dict):
         return Dict[str, Any]
     if origin in (list, List):
@@ -68,15 +113,14 @@ class TrainSection:
     micro_batch_size: int = 8  # rows per rank per micro-batch
     grad_accum: int = 1
     grad_clip: float = 1.0
-    precision: str = "auto"  # auto (fp32 on CPU, bf16 on GPU) | fp32 | bf16
+    precision: Precision = Precision.auto
     activation_checkpointing: bool = False
     max_bad_steps: int = 5  # stop (with a checkpoint) after this many consecutive non-finite steps; 0 = never
-    exit_after_step: Optional[int] = None  # testing hook: os._exit right after this step (also env K3_TEST_EXIT_AFTER_STEP)
 
 
 @dataclass
 class OptimSection:
-    name: str = "adamw"  # adamw | muon
+    name: OptimName = OptimName.adamw
     lr: float = 3e-4
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
@@ -87,7 +131,7 @@ class OptimSection:
 
 @dataclass
 class ScheduleSection:
-    name: str = "cosine"  # cosine | wsd | constant
+    name: ScheduleName = ScheduleName.cosine
     warmup_frac: float = 0.01
     decay_frac: float = 0.2  # wsd: fraction of steps in the final decay
     min_lr_ratio: float = 0.1
@@ -110,13 +154,8 @@ class ParallelSection:
 
 
 @dataclass
-class MoeSection:
-    balance: Optional[str] = None  # quantile|sign|aux|none; null keeps the model's moe_balance
-
-
-@dataclass
 class LoggingSection:
-    mode: str = "offline"  # offline | online | disabled
+    mode: LoggingMode = LoggingMode.offline
     every: int = 10
     project: str = "k3-train"
     heatmap_every: int = 100
@@ -149,12 +188,11 @@ class TrainConfig:
     schedule: ScheduleSection = field(default_factory=ScheduleSection)
     deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
-    moe: MoeSection = field(default_factory=MoeSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     train: TrainSection = field(default_factory=TrainSection)
     launcher: LauncherSection = field(default_factory=LauncherSection)
-
+    callbacks: List[str] = field(default_factory=list)  # extra training.callbacks.Callback classes, by import path
 
 
 def register_configs() -> None:
@@ -190,12 +228,10 @@ def global_batch_rows(cfg: DictConfig, world_size: int) -> int:
 
 
 def build_model_config(cfg: DictConfig) -> K3Config:
-    """K3Config from the `model` section (+ `moe.balance`); errors become one-line TrainConfigError."""
-    m = OmegaConf.to_container(cfg.model, resolve=True)
+    """K3Config from the `model` section; errors become one-line TrainConfigError."""
+    m = OmegaConf.to_container(cfg.model, resolve=True, enum_to_str=True)
     preset, init_from = m.pop("preset"), m.pop("init_from")
     overrides = {k: v for k, v in m.items() if v is not None}
-    if cfg.moe.balance is not None:
-        overrides["moe_balance"] = cfg.moe.balance
     try:
         if init_from:
             base = K3Config.from_hf_config(init_from)
@@ -222,12 +258,9 @@ def validate(cfg: DictConfig, world_size: int) -> K3Config:
     if cfg.model.init_from:
         need(os.path.isfile(os.path.join(cfg.model.init_from, "config.json")),
              f"model.init_from={cfg.model.init_from} has no config.json; point it at an HF checkpoint directory")
-    need(cfg.moe.balance is None or cfg.moe.balance in BALANCE_MODES,
-         f"moe.balance={cfg.moe.balance!r} is not one of {'|'.join(BALANCE_MODES)}")
     mcfg = build_model_config(cfg)
     for key in ("steps", "seq_len", "micro_batch_size", "grad_accum"):
         need(t[key] >= 1, f"train.{key} must be >= 1, got {t[key]}")
-    need(t.precision in ("auto", "fp32", "bf16"), f"train.precision must be auto|fp32|bf16, got {t.precision!r}")
     need(t.seq_len <= mcfg.max_position_embeddings,
          f"train.seq_len={t.seq_len} exceeds model max_position_embeddings={mcfg.max_position_embeddings}")
     need(world_size >= 1, f"world size must be >= 1, got {world_size}")
@@ -236,7 +269,6 @@ def validate(cfg: DictConfig, world_size: int) -> K3Config:
          "CPU offload needs ZeRO stage >= 1; use deepspeed=zero2_offload or deepspeed=zero3_offload")
     need(not ds.offload_param or ds.zero_stage == 3,
          "deepspeed.offload_param needs ZeRO-3; use deepspeed=zero3_offload")
-    need(cfg.optim.name in ("adamw", "muon"), f"optim.name must be adamw|muon, got {cfg.optim.name!r}")
     need(not (cfg.optim.name == "muon" and (ds.offload_optimizer or ds.offload_param)),
          "optim=muon is a client optimizer and DeepSpeed refuses offload with one; use optim=adamw for offload")
     need(not (cfg.optim.name == "muon" and ds.zero_stage != 0),
@@ -249,13 +281,9 @@ def validate(cfg: DictConfig, world_size: int) -> K3Config:
     need(not (par.ep_size > 1 and ds.zero_stage == 3),
          "ZeRO-3 cannot partition expert-parallel experts (DeepSpeed refuses MoE with stage 3); "
          "use deepspeed=zero2 with parallel.ep_size>1 or parallel.ep_size=1 with zero3")
-    need(cfg.schedule.name in ("cosine", "wsd", "constant"),
-         f"schedule.name must be cosine|wsd|constant, got {cfg.schedule.name!r}")
     need(0 <= cfg.schedule.warmup_frac < 1, f"schedule.warmup_frac must be in [0, 1), got {cfg.schedule.warmup_frac}")
     need(0 <= cfg.schedule.decay_frac <= 1, f"schedule.decay_frac must be in [0, 1], got {cfg.schedule.decay_frac}")
     need(cfg.optim.lr > 0, f"optim.lr must be > 0, got {cfg.optim.lr}")
-    need(cfg.logging.mode in ("offline", "online", "disabled"),
-         f"logging.mode must be offline|online|disabled, got {cfg.logging.mode!r}")
     need(cfg.logging.every >= 1, f"logging.every must be >= 1, got {cfg.logging.every}")
     need(cfg.checkpoint.every >= 0, f"checkpoint.every must be >= 0 (0 = only at the end), got {cfg.checkpoint.every}")
     need(t.max_bad_steps >= 0, f"train.max_bad_steps must be >= 0 (0 = never stop), got {t.max_bad_steps}")
@@ -263,4 +291,22 @@ def validate(cfg: DictConfig, world_size: int) -> K3Config:
     r = cfg.checkpoint.resume
     if r not in ("auto", "none"):
         need(os.path.isdir(r), f"checkpoint.resume={r} is not a directory; use auto, none or a checkpoint path")
+    check_data_config(cfg.data)
     return mcfg
+
+
+def check_data_config(data: DictConfig) -> None:
+    """Pre-flight data checks that need no process group: the data config itself, local paths, tokenizer file."""
+    try:
+        dcfg = coerce_config(OmegaConf.to_object(data))
+    except DataError as e:
+        raise TrainConfigError(str(e)) from None
+    tok = dcfg.tokenizer.model_path
+    if tok and not os.path.exists(tok):
+        raise TrainConfigError(f"data.tokenizer.model_path={tok} does not exist; fix it, or set it to null to "
+                               "train (and cache) the default tokenizer")
+    for i, src in enumerate(dcfg.sources):
+        if src.type in ("embedded", "hub"):
+            continue
+        if not os.path.exists(src.path) and not glob.glob(src.path):
+            raise TrainConfigError(f"data.sources[{i}].path={src.path} does not exist; fix the path or glob")

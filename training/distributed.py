@@ -100,11 +100,3 @@ def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
 
-
-def gather_objects(obj, world_size: int) -> list:
-    """all_gather_object wrapper (identity list on one rank)."""
-    if not dist.is_initialized() or world_size == 1:
-        return [obj]
-    out = [None] * world_size
-    dist.all_gather_object(out, obj)
-    return out

@@ -15,9 +15,6 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-NO_DECAY_1D = True  # norms, biases, gates' 1-D params, A_log/dt_bias are never weight-decayed
-
-
 def use_bf16(cfg: DictConfig) -> bool:
     """fp32 on CPU (exact resume), bf16 on GPU unless train.precision says otherwise."""
     if cfg.train.precision == "auto":
@@ -116,7 +113,7 @@ def build_optimizer(cfg: DictConfig, model: nn.Module, groups: list[dict[str, An
         return None
     wd = float(cfg.schedule.weight_decay)
     if cfg.optim.name == "muon":
-        from training.muon import Muon, muon_param_groups
+        from training.optim.muon import Muon, muon_param_groups
         return Muon(muon_param_groups(model, wd, cfg), lr=float(cfg.optim.lr), betas=tuple(cfg.optim.betas),
                     eps=float(cfg.optim.eps), momentum=float(cfg.optim.muon_momentum),
                     ns_steps=int(cfg.optim.muon_ns_steps))

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from training.checkpoint.store import has_expert_files
 from training.ep.alltoall import AllToAllDispatcher
 from training.ep.deepspeed_moe import present_as_deepspeed_moe
 
@@ -71,14 +72,6 @@ class EPHandle:
 
         return DistStatsReducer(None)
 
-    def global_tokens_per_expert(self, counts_E: torch.Tensor) -> torch.Tensor:
-        """Per-expert routed-token counts (global ids) summed over every rank: the global batch's load."""
-        out = counts_E.detach().to(torch.int64).clone()
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(out)
-        return out
-
-    # --- full weights (HF export) -----------------------------------------------------------------------------------
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """model.state_dict() with every MoE layer's stacked experts gathered to all E (collective: call on all
         ranks). Identical whatever the EP size; feed it to a fresh K3ForCausalLM / save_hf_checkpoint."""
@@ -116,7 +109,7 @@ class EPHandle:
         (load_path, client_state, same_layout).
         """
         tag = str(tag if tag is not None else _latest_tag(load_dir))
-        if self.group_name is not None and not _has_expert_files(os.path.join(load_dir, tag)):
+        if self.group_name is not None and not has_expert_files(os.path.join(load_dir, tag)):
             path, client = self._load_plain_checkpoint(engine, load_dir, tag)
             return path, client, False
         saved = saved_layout(load_dir, tag)
@@ -134,7 +127,7 @@ class EPHandle:
         """A checkpoint written without expert parallelism (stacked experts in the model file): slice our experts
         out of it; weights and buffers only (the optimizer starts fresh)."""
         path = os.path.join(load_dir, tag, "mp_rank_00_model_states.pt")
-        from training.safe_load import safe_torch_load
+        from training.checkpoint.safe_load import safe_torch_load
 
         state = safe_torch_load(path)  # checkpoints are untrusted: weights-only
         module = dict(state["module"])
@@ -157,7 +150,7 @@ def _restore_lr_schedule(engine, tag_dir: str) -> None:
     sched = getattr(engine, "lr_scheduler", None)
     if sched is None:
         return
-    from training.safe_load import safe_torch_load
+    from training.checkpoint.safe_load import safe_torch_load
 
     state = safe_torch_load(os.path.join(tag_dir, "mp_rank_00_model_states.pt"), mmap=True).get("lr_scheduler")
     if not state:
@@ -190,10 +183,6 @@ def _latest_tag(load_dir: str) -> str:
         return f.read().strip()
 
 
-def _has_expert_files(tag_dir: str) -> bool:
-    return bool(glob.glob(os.path.join(tag_dir, "layer_*_expert_*_model_states.pt")))
-
-
 def saved_layout(load_dir: str, tag: str | None = None) -> dict[str, int] | None:
     """The {ep_size, world_size, num_experts} a checkpoint was saved with (None if it does not record it)."""
     if tag is None:
@@ -203,7 +192,7 @@ def saved_layout(load_dir: str, tag: str | None = None) -> dict[str, int] | None
     path = os.path.join(load_dir, str(tag), "mp_rank_00_model_states.pt")
     if not os.path.isfile(path):
         return None
-    from training.safe_load import safe_torch_load
+    from training.checkpoint.safe_load import safe_torch_load
 
     state = safe_torch_load(path, mmap=True)
     return state.get(CLIENT_STATE_KEY)

@@ -6,9 +6,9 @@ How a step is skipped without touching weights, optimizer moments or the LR sche
 - A plain client optimizer (ZeRO-0) has no such check: `install` wraps its `step` with one collective finiteness
   check (MAX over all ranks) and sets the same `overflow` attribute, so the engine behaves identically.
 A non-finite loss always reaches the gradients (NaN/Inf propagate through backward), so the gradient check covers it;
-`after_step` additionally treats a non-finite global loss as a bad step. On a skipped step the MoE balancers'
-statistics from the bad forward are discarded (router biases untouched). After `max_bad_steps` consecutive bad
-steps the trainer saves a checkpoint and stops with `TooManyBadSteps`.
+`after_step` additionally treats a non-finite global loss as a bad step. On a skipped step the trainer does not
+hand the bad forward's routing statistics to the balancers (router biases untouched). After `max_bad_steps`
+consecutive bad steps the trainer saves a checkpoint and stops with `TooManyBadSteps`.
 """
 from __future__ import annotations
 
@@ -100,43 +100,3 @@ class StepGuard:
     def load_state_dict(self, st: dict[str, Any]) -> None:
         self.skipped_steps = int(st.get("skipped_steps", 0))
         self.consecutive = int(st.get("consecutive_bad_steps", 0))
-
-
-def discard_balance_stats(module) -> None:
-    """Drop the MoE balancers' statistics of a skipped step (its forward may have been non-finite)."""
-    for moe in module.moe_layers() if hasattr(module, "moe_layers") else []:
-        moe.balancer.clear()
-
-
-# --- start-up guard: the run directory must be writable and have room for the checkpoints --------------------
-class RunDirError(RuntimeError):
-    """The run directory cannot hold this run; one line naming the directory and the fix."""
-
-
-def checkpoint_bytes_estimate(n_params: int, keep_last: int) -> int:
-    """fp32 weights + two Adam moments per kept checkpoint, one more being written, plus 64 MiB of slack."""
-    return 12 * n_params * (keep_last + 1) + (64 << 20)
-
-
-def check_run_dir(run_dir: str, need_bytes: int) -> None:
-    """Create `run_dir`, write+fsync+delete a probe file and check the free space, before training starts."""
-    import os
-
-    from training import faults
-
-    probe = os.path.join(run_dir, f".write_probe.{os.getpid()}")
-    try:
-        os.makedirs(run_dir, exist_ok=True)
-        with open(probe, "wb") as f:
-            f.write(b"\0" * 4096)
-            f.flush()
-            os.fsync(f.fileno())
-        os.remove(probe)
-    except OSError as e:
-        raise RunDirError(f"run_dir {run_dir} is not writable ({e.strerror or e}); choose another run_dir= or fix "
-                          "its permissions/free space") from None
-    free = faults.free_bytes(run_dir)
-    if free < need_bytes:
-        raise RunDirError(f"run_dir {run_dir} has {free / 2**20:.0f} MiB free, checkpoints need about "
-                          f"{need_bytes / 2**20:.0f} MiB; free disk space, lower checkpoint.keep_last or choose "
-                          "another run_dir=")

@@ -1,54 +1,33 @@
 """Expert load balancing: `quantile` (K3 Quantile Balancing), `sign` (DeepSeek-V3), `aux` (sequence loss), `none`.
 
-Statistics are accumulated during training-mode forwards (any number of micro-batches) and applied to the
-router's `e_score_correction_bias` by `update(reducer)` once per optimizer step, then cleared. `reducer` reduces
-over the data-parallel group; the statistics are chosen so that the result depends only on the *global* batch,
-not on how it is split over ranks and micro-batches:
+One channel for routing statistics: each training-mode MoE forward returns a `BalanceStats` (tokens per expert,
+and for Quantile Balancing its margins or margin histogram) inside its RouterStats; nothing is accumulated inside
+the model. The trainer sums a step's micro-batches (`BalanceStats.merge`), reduces them over the data-parallel
+group once per step, and calls `Balancer.update(stats)` with the global statistics, which writes the router's
+`e_score_correction_bias`. Because the statistics travel with the forward's output, an activation-checkpoint
+recomputation or a skipped (non-finite) step simply never hands them to `update`. The statistics are chosen so
+that the result depends only on the *global* batch, not on how it is split over ranks and micro-batches:
 
-- quantile/exact: every margin r_ij of the global batch (`reducer.cat`), then a per-expert sort;
-- quantile/histogram: per-expert bin counts over a range fixed by the current bias (`reducer.sum`, integers);
-- sign: tokens per expert (`reducer.sum`, integers).
+- quantile/exact: every margin r_ij of the global batch (concatenated), then a per-expert sort;
+- quantile/histogram: per-expert bin counts over a range fixed by the current bias (summed, integers);
+- sign: tokens per expert (summed, integers).
 
-Quantile Balancing (spec §5): alpha_i = (k+1)-th largest of s_i + b, r_ij = alpha_i - s_ij. Expert j is in token
+Quantile Balancing (docs/model.md §5): alpha_i = (k+1)-th largest of s_i + b, r_ij = alpha_i - s_ij. Expert j is in token
 i's top-k iff b_j > r_ij, so setting b_j to the k/E quantile of {r_ij}_i gives each expert k/E of the tokens (for
 the observed batch); then b <- b - mean(b), which changes no selection. With grouped top-k the margins are taken
 over all experts (groups are ignored by the estimate). Expert j enters with r_ij < b_j, so a quantile q puts
 q*m tokens strictly below: the exact estimator uses linear interpolation at rank q*m - 1/2 between order
 statistics (the midpoint of the gap between the (qm)-th and (qm+1)-th smallest), the histogram estimator
 interpolates linearly inside the bin where the cumulative count reaches q*m.
-
-If activation checkpointing re-runs a MoE forward in training mode, wrap the recomputation in
-`balancer.paused()` or the statistics count those tokens twice.
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator, Protocol
+from dataclasses import dataclass
 
 import torch
 
 from model.config import K3Config
 from model.moe.router import Router
-
-
-class StatsReducer(Protocol):
-    def sum(self, t: torch.Tensor) -> torch.Tensor:
-        """All-reduce sum over the data-parallel group."""
-        ...
-
-    def cat(self, t: torch.Tensor) -> torch.Tensor:
-        """All-gather and concatenate along dim 0 (ranks may hold different lengths)."""
-        ...
-
-
-class LocalReducer:
-    """Single process: nothing to reduce."""
-
-    def sum(self, t: torch.Tensor) -> torch.Tensor:
-        return t
-
-    def cat(self, t: torch.Tensor) -> torch.Tensor:
-        return t
 
 
 def qb_margins(scores_NE: torch.Tensor, bias_E: torch.Tensor, k: int) -> torch.Tensor:
@@ -115,11 +94,39 @@ def sequence_aux_loss(scores_NE: torch.Tensor, expert_idx_NK: torch.Tensor, batc
     return coef * (f_BE * p_BE).sum(-1).mean()
 
 
-class Balancer:
-    """Accumulates routing statistics in training forwards and applies them to the router bias in `update`.
+def histogram_range(bias_E: torch.Tensor) -> tuple[float, float]:
+    """The QB histogram's range, fixed by the current bias (the same on every rank and micro-batch of a step)."""
+    b = bias_E.double()
+    return float(b.min()) - 1.0, float(b.max()) + 1.0
 
-    A plain object (not an nn.Module): it owns no parameters and nothing to checkpoint, because statistics are
-    cleared at every optimizer step; it writes `router.e_score_correction_bias` in place.
+
+@dataclass
+class BalanceStats:
+    """One MoE layer's routing statistics over some tokens: all that balancing and load metrics need.
+
+    counts_E: [E] int64 (token, slot) assignments per global expert id.
+    margins_NE: [N, E] float64 QB margins (quantile/exact), else None.
+    hist_EB: [E, bins + 2] int64 QB margin histogram (quantile/histogram), else None.
+    """
+
+    counts_E: torch.Tensor
+    margins_NE: torch.Tensor | None = None
+    hist_EB: torch.Tensor | None = None
+
+    def merge(self, other: "BalanceStats") -> "BalanceStats":
+        """Statistics of both token sets (micro-batches of one step): counts and histograms add, margins concat."""
+        def join(a, b, op):
+            return b if a is None else a if b is None else op(a, b)
+        return BalanceStats(self.counts_E + other.counts_E,
+                            join(self.margins_NE, other.margins_NE, lambda a, b: torch.cat([a, b])),
+                            join(self.hist_EB, other.hist_EB, torch.add))
+
+
+class Balancer:
+    """Turns routing into statistics (`observe`, in forward) and global statistics into a new bias (`update`).
+
+    A plain object (not an nn.Module) without state of its own: the bias it writes is the router's buffer, so
+    checkpoints hold everything.
     """
 
     def __init__(self, config: K3Config, router: Router) -> None:
@@ -131,46 +138,21 @@ class Balancer:
         self.num_experts = config.num_experts
         self.k = config.num_experts_per_token
         self._router = [router]  # in a list so nn.Module attribute magic never registers it twice
-        self._paused = False
-        self.clear()
 
     @property
     def bias(self) -> torch.Tensor:
         return self._router[0].e_score_correction_bias
 
-    def clear(self) -> None:
-        self._margins: list[torch.Tensor] = []
-        self._hist: torch.Tensor | None = None
-        self._counts: torch.Tensor | None = None
-        self._range: tuple[float, float] | None = None
-
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """Forwards inside this block record nothing (activation-checkpoint recomputation)."""
-        prev, self._paused = self._paused, True
-        try:
-            yield
-        finally:
-            self._paused = prev
-
-    def observe(self, scores_NE: torch.Tensor, expert_idx_NK: torch.Tensor) -> None:
-        """Record one micro-batch's routing (called by LatentMoE.forward in training mode)."""
-        if self._paused:
-            return
-        with torch.no_grad():
-            counts = torch.bincount(expert_idx_NK.reshape(-1), minlength=self.num_experts)
-            self._counts = counts if self._counts is None else self._counts + counts
-            if self.mode != "quantile":
-                return
-            r_NE = qb_margins(scores_NE, self.bias, self.k)
-            if self.estimator == "exact":
-                self._margins.append(r_NE.double())
-            else:
-                if self._range is None:
-                    b = self.bias.double()
-                    self._range = (float(b.min()) - 1.0, float(b.max()) + 1.0)
-                h = histogram_counts(r_NE, *self._range, self.bins)
-                self._hist = h if self._hist is None else self._hist + h
+    @torch.no_grad()
+    def observe(self, scores_NE: torch.Tensor, expert_idx_NK: torch.Tensor) -> BalanceStats:
+        """This forward's statistics (counted once: the same counts serve balancing and metrics)."""
+        counts_E = torch.bincount(expert_idx_NK.reshape(-1), minlength=self.num_experts)
+        if self.mode != "quantile":
+            return BalanceStats(counts_E)
+        r_NE = qb_margins(scores_NE, self.bias, self.k)
+        if self.estimator == "exact":
+            return BalanceStats(counts_E, margins_NE=r_NE.double())
+        return BalanceStats(counts_E, hist_EB=histogram_counts(r_NE, *histogram_range(self.bias), self.bins))
 
     def aux_loss(self, scores_NE: torch.Tensor, expert_idx_NK: torch.Tensor, batch: int) -> torch.Tensor | None:
         """The differentiable sequence-wise loss when mode == 'aux', else None."""
@@ -179,48 +161,29 @@ class Balancer:
         return sequence_aux_loss(scores_NE, expert_idx_NK, batch, self.aux_coef)
 
     @torch.no_grad()
-    def update(self, reducer: StatsReducer | None = None) -> dict[str, float]:
-        """Apply the accumulated statistics to the bias (once per optimizer step), clear them, return metrics.
+    def update(self, stats: BalanceStats) -> float | None:
+        """Apply one optimizer step's *global* statistics to the bias (quantile, sign; aux/none: no-op).
 
-        Collective: every rank must call it (with the same reducer) even if it saw no tokens. Metrics:
-        load_cv, maxvio (global batch), bias_mean/std/absmax (after the update), qb_est_error (exact QB: max over
-        experts of |fraction of margins below the new bias - k/E|, before centring).
+        Returns the exact QB estimate error (max over experts of |fraction of margins below the new bias - k/E|,
+        before centring), else None. A step without tokens leaves the bias unchanged.
         """
-        reducer = reducer or LocalReducer()
-        metrics: dict[str, float] = {}
         bias = self.bias
-        E, q = self.num_experts, self.k / self.num_experts
-        local = self._counts if self._counts is not None else torch.zeros(E, dtype=torch.long, device=bias.device)
-        load = reducer.sum(local.to(bias.device)).double()
-        if float(load.sum()) > 0:
-            metrics["load_cv"] = float(load.std(unbiased=False) / load.mean())
-            metrics["maxvio"] = float(load.max() / load.mean() - 1.0)
-            if self.mode == "sign":
-                bias.add_(self.gamma * torch.sign(load.mean() - load).to(bias.dtype))
-            elif self.mode == "quantile":
-                bias.copy_(self._quantile_bias(reducer, q, metrics).to(bias.dtype))
-        b = bias.double()
-        metrics.update(bias_mean=float(b.mean()), bias_std=float(b.std(unbiased=False)),
-                       bias_absmax=float(b.abs().max()))
-        self.clear()
-        return metrics
-
-    def _quantile_bias(self, reducer: StatsReducer, q: float, metrics: dict[str, float]) -> torch.Tensor:
-        """New centred QB bias from the global statistics (float64)."""
-        E, dev = self.num_experts, self.bias.device
-        if self.estimator == "exact":
-            local_r = torch.cat(self._margins) if self._margins else torch.zeros(0, E, dtype=torch.float64,
-                                                                                 device=dev)
-            r_NE = reducer.cat(local_r)
+        load_E = stats.counts_E.to(bias.device).double()
+        if float(load_E.sum()) <= 0 or self.mode not in ("sign", "quantile"):
+            return None
+        if self.mode == "sign":
+            bias.add_(self.gamma * torch.sign(load_E.mean() - load_E).to(bias.dtype))
+            return None
+        q = self.k / self.num_experts
+        err = None
+        if stats.margins_NE is not None:
+            r_NE = stats.margins_NE.to(bias.device)
             new_b = exact_quantile(r_NE, q)
-            metrics["qb_est_error"] = float(((r_NE < new_b).double().mean(0) - q).abs().max())
+            err = float(((r_NE < new_b).double().mean(0) - q).abs().max())
+        elif stats.hist_EB is not None:
+            new_b = histogram_quantile(stats.hist_EB.to(bias.device), *histogram_range(bias), q)
         else:
-            lo, hi = self._range if self._range is not None else self._hist_range()
-            local_h = self._hist if self._hist is not None else torch.zeros(E, self.bins + 2, dtype=torch.long,
-                                                                            device=dev)
-            new_b = histogram_quantile(reducer.sum(local_h), lo, hi, q)
-        return new_b - new_b.mean()
-
-    def _hist_range(self) -> tuple[float, float]:
-        b = self.bias.double()
-        return float(b.min()) - 1.0, float(b.max()) + 1.0
+            raise ValueError("quantile balancing needs margins or a histogram in BalanceStats; pass the "
+                             "statistics returned by this balancer's observe()")
+        bias.copy_((new_b - new_b.mean()).to(bias.dtype))
+        return err

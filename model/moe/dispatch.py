@@ -14,7 +14,7 @@ sort permutation, and recomputes the expert activations in backward: memory save
 N*l + O(N*K) instead of the several K*N*Im tensors a plain autograd graph keeps. With
 `LocalDispatcher(recompute=False)` it also keeps the GLU inputs W1 z, W3 z (K*N*2*Im values, still < 0.5x what
 DeepSpeed's MoE saves) and skips the two recomputation GEMMs (6 instead of 8 backward GEMMs per expert): ~10-15%
-faster on CPU. The default stays recompute=True because the planner's memory model (training/activations.py)
+faster on CPU. The default stays recompute=True because the planner's memory model (training/tools/activation_memory.py)
 assumes it.
 
 An expert-parallel dispatcher (training/expert_parallel.py) plugs into `LatentMoE.dispatcher` with the same

@@ -1,4 +1,4 @@
-"""Stable LatentMoE (K3 report §2.3, spec §5): full-width router, routed experts in a latent width, normed sum.
+"""Stable LatentMoE (K3 report §2.3, docs/model.md §5): full-width router, routed experts in a latent width, normed sum.
 
     s = sigmoid(W_r x);  I = topk(s + b);  p = s[I] / sum s[I]
     z = W_down x (d -> l, once per token);  u = sum_k p_k E_{I_k}(z)
@@ -6,8 +6,9 @@
 
 The RMSNorm on the aggregated latent makes y independent of u's scale, which varies with how many and which
 experts were selected. `dispatcher` is the swappable seam (model/moe/dispatch.py): the local dropless one by
-default, an expert-parallel all-to-all one under training. `balancer` (model/moe/balance.py) accumulates
-statistics in training forwards; the trainer calls `balancer.update(reducer)` after each optimizer step.
+default, an expert-parallel all-to-all one under training. In training mode the forward returns the routing
+statistics (`RouterStats.balance`, from `balancer.observe`); the trainer reduces a step's statistics and calls
+`balancer.update(global_stats)` once per optimizer step (model/moe/balance.py).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from torch import nn
 
 from model.config import K3Config
 from model.ffn import SiTUGLU
-from model.moe.balance import Balancer
+from model.moe.balance import Balancer, BalanceStats
 from model.moe.dispatch import Dispatcher, LocalDispatcher
 from model.moe.experts import LatentExperts
 from model.moe.router import Router
@@ -27,19 +28,23 @@ from model.norm import RMSNorm
 
 @dataclass
 class RouterStats:
-    """Routing statistics of one MoE forward, for logging (training/metrics) and the aux loss.
+    """Routing statistics of one MoE forward: for balancing, load metrics (training/metrics) and the aux loss.
 
-    tokens_per_expert: [E] int64 (token, slot) assignments per global expert id over this forward's local
-        tokens (sums to N*K); not reduced across ranks.
+    balance: this forward's BalanceStats (tokens per global expert id, QB margins/histogram), local tokens only
+        (not reduced across ranks); `tokens_per_expert` is its counts_E ([E] int64, sums to N*K).
     aux_loss: differentiable scalar (balance == 'aux', training mode), else None; add it to the LM loss.
     num_tokens: N, the tokens routed in this forward.
     layer_idx: the decoder layer this MoE belongs to.
     """
 
-    tokens_per_expert: torch.Tensor
+    balance: BalanceStats
     aux_loss: torch.Tensor | None
     num_tokens: int
     layer_idx: int
+
+    @property
+    def tokens_per_expert(self) -> torch.Tensor:
+        return self.balance.counts_E
 
 
 class LatentMoE(nn.Module):
@@ -74,8 +79,10 @@ class LatentMoE(nn.Module):
         route = self.gate(x_ND)
         aux = None
         if self.training:
-            self.balancer.observe(route.scores_NE, route.expert_idx_NK)
+            balance = self.balancer.observe(route.scores_NE, route.expert_idx_NK)
             aux = self.balancer.aux_loss(route.scores_NE, route.expert_idx_NK, B)
+        else:  # eval/decode: only the load counts
+            balance = BalanceStats(torch.bincount(route.expert_idx_NK.reshape(-1), minlength=self.num_experts))
         z_NL = self.routed_expert_down_proj(x_ND)
         u_NL = self.dispatcher(z_NL, route.expert_idx_NK, route.weight_NK, self.experts)
         if self.routed_expert_norm is not None:
@@ -83,6 +90,5 @@ class LatentMoE(nn.Module):
         y_ND = self.routed_expert_up_proj(u_NL)
         if self.shared_experts is not None:
             y_ND = y_ND + self.shared_experts(x_ND)
-        counts = torch.bincount(route.expert_idx_NK.reshape(-1), minlength=self.num_experts)
-        stats = RouterStats(tokens_per_expert=counts, aux_loss=aux, num_tokens=B * T, layer_idx=self.layer_idx)
+        stats = RouterStats(balance=balance, aux_loss=aux, num_tokens=B * T, layer_idx=self.layer_idx)
         return y_ND.view(B, T, D), stats

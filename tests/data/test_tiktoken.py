@@ -100,6 +100,8 @@ def test_release_config_files_name_the_special_tokens(tiktoken_dir, tmp_path, ti
     t = load_tokenizer(tmp_path)
     assert (t.bos_id, t.eos_id, t.vocab_size) == (base, base + 7, 1024)
     assert t.token_to_id(f"<|reserved_token_{base + 1}|>") == base + 1 and t.pad_id is None
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [base + 9, base + 7]}))
+    assert load_tokenizer(tmp_path).eos_id == base + 9  # an HF checkpoint's stop token wins
 
 
 def test_encode_cli_works_with_either_kind(tiktoken_dir, small_tokenizer, tmp_path, capsys, tik):

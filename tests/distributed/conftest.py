@@ -51,7 +51,8 @@ def read_metrics(run_dir: Path) -> list[dict]:
 def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", WANDB_MODE="offline", HF_DATASETS_OFFLINE="1",
-               HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", WANDB_SILENT="true")
+               HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", WANDB_SILENT="true",
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p))
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
     env.update(extra or {})
@@ -60,8 +61,13 @@ def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 def run_training(run_dir: Path, overrides: list[str], nproc: int = 2, env: dict[str, str] | None = None,
                  launcher: bool = True, timeout: int = 600) -> RunResult:
-    """One training job; `launcher=False` runs `python -m training.train` (a 1-rank gloo group)."""
+    """One training job; `launcher=False` runs `python -m training.train` (a 1-rank gloo group).
+
+    A K3_FAULT_* variable in `env` plugs the test-only fault injector (tests/fault/injector.py) into the trainer's
+    callback seam; production code never imports it."""
     args = [f"run_dir={run_dir}", *overrides]
+    if any(k.startswith("K3_FAULT_") for k in (env or {})):
+        args.append("callbacks=[tests.fault.injector.FaultInjector]")
     if launcher:
         cmd = [str(BIN / "deepspeed"), "--no_local_rank", "--num_gpus", str(nproc), "--master_port",
                str(free_port()), "training/train.py", *args]

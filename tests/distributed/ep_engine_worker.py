@@ -26,7 +26,7 @@ V, T = 64, 16
 
 
 class MoELM(nn.Module):
-    """embed -> [norm -> LatentMoE] x 2 (residual) -> norm -> head; exposes moe_layers/update_balance like K3."""
+    """embed -> [norm -> LatentMoE] x 2 (residual) -> norm -> head; exposes moe_layers and router stats like K3."""
 
     def __init__(self, config: K3Config) -> None:
         super().__init__()
@@ -41,19 +41,16 @@ class MoELM(nn.Module):
     def moe_layers(self) -> list[nn.Module]:
         return list(self.moes)
 
-    def update_balance(self, reducer=None) -> dict:
-        return {f"{i}/{k}": v for i, m in enumerate(self.moes) for k, v in m.balancer.update(reducer).items()}
-
     def forward(self, ids_BT: torch.Tensor):
         h = self.embed(ids_BT)
-        counts, aux = [], torch.zeros(())
+        router_stats, aux = [], torch.zeros(())
         for norm, moe in zip(self.norms, self.moes):
             y, stats = moe(norm(h))
             h = h + y
-            counts.append(stats.tokens_per_expert)
+            router_stats.append(stats)
             if stats.aux_loss is not None:
                 aux = aux + stats.aux_loss
-        return self.head(h), torch.stack(counts), aux
+        return self.head(h), router_stats, aux
 
 
 def config() -> K3Config:
@@ -72,6 +69,7 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.use_deterministic_algorithms(True, warn_only=True)
+    from training.balance import StepRouting, apply
     from training.expert_parallel import setup_expert_parallel
 
     torch.manual_seed(0)
@@ -94,21 +92,22 @@ def main() -> None:
         # rank r's rows of the global batch: consecutive share per rank, micro-batches in order
         mine = batch.view(world, ga, micro, T + 1)[rank]
         step_loss, step_aux = torch.zeros(()), torch.zeros(())
-        step_counts = 0
+        routing = StepRouting()
         for m in range(ga):
-            logits, c, aux = engine(mine[m, :, :T])
+            logits, router_stats, aux = engine(mine[m, :, :T])
             loss = nn.functional.cross_entropy(logits.reshape(-1, V), mine[m, :, 1:].reshape(-1)) + aux
             engine.backward(loss)
             engine.step()
             step_loss += loss.detach() / ga
             step_aux += aux.detach() / ga
-            step_counts = step_counts + c
+            routing.add(router_stats)
         dist.all_reduce(step_loss)
         dist.all_reduce(step_aux)
         losses.append(float(step_loss) / world)
         auxes.append(float(step_aux) / world)
-        counts.append(handle.global_tokens_per_expert(step_counts))
-        engine.module.update_balance(reducer)
+        global_stats = routing.reduce_global(reducer)
+        counts.append(torch.stack([g.counts_E for g in global_stats]))
+        apply(engine.module.moe_layers(), global_stats)
         biases.append(torch.stack([m.gate.e_score_correction_bias.clone() for m in engine.module.moe_layers()]))
     result = {"losses": losses, "aux": auxes, "biases": torch.stack(biases) if biases else None,
               "counts": torch.stack(counts) if counts else None}

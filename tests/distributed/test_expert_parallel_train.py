@@ -33,7 +33,7 @@ def jobs(runs_root) -> dict[str, RunResult]:
     with ThreadPoolExecutor(3) as pool:
         ep2 = pool.submit(run_training, root / "ep2", EP2, 2)
         ep1 = pool.submit(run_training, root / "ep1", EP1, 1, None, False)
-        kill = pool.submit(run_training, root / "ep2_kill", EP2, 2, {"K3_TEST_EXIT_AFTER_STEP": str(KILL_AFTER)})
+        kill = pool.submit(run_training, root / "ep2_kill", EP2, 2, {"K3_FAULT_KILL_AT_STEP": str(KILL_AFTER)})
         out = {"ep2": must_succeed(ep2.result()), "ep1": must_succeed(ep1.result()), "ep2_killed": kill.result()}
     with ThreadPoolExecutor(3) as pool:
         resumed = pool.submit(run_training, root / "ep2_kill", [*EP2, "checkpoint.resume=auto"], 2)
@@ -102,7 +102,7 @@ def test_hf_export_is_the_same_whatever_the_ep_size(jobs, tmp_path):
     # EP=2 and EP=1 jobs trained the same model on the same batches: their step-5 exports hold the same tensors
     # (names, shapes, all experts) and equal values up to the jobs' fp32 rounding differences
     from model import load_hf_checkpoint
-    from training.export import export_checkpoint
+    from training.tools.export import export_checkpoint
 
     sd2 = load_hf_checkpoint(export_checkpoint(str(_step_dir(jobs["ep2"], EVERY)), str(tmp_path / "a"))).state_dict()
     sd1 = load_hf_checkpoint(export_checkpoint(str(_step_dir(jobs["ep1"], EVERY)), str(tmp_path / "b"))).state_dict()

@@ -14,7 +14,7 @@ KILL_AFTER = 4  # the last checkpoint before the kill is step 3, so step 4 is co
 @pytest.fixture(scope="module")
 def killed_then_resumed(runs_root):
     run_dir = runs_root / "resume"
-    killed = run_training(run_dir, REF, nproc=2, env={"K3_TEST_EXIT_AFTER_STEP": str(KILL_AFTER)})
+    killed = run_training(run_dir, REF, nproc=2, env={"K3_FAULT_KILL_AT_STEP": str(KILL_AFTER)})
     resumed = run_training(run_dir, [*REF, "checkpoint.resume=auto"], nproc=2)
     return killed, resumed
 

@@ -64,7 +64,7 @@ def test_wandb_offline_run_written(ref_run):
 
 def test_hf_export_round_trip_from_zero2_equals_engine_module(ref_run, tmp_path):
     from model import K3Config, K3ForCausalLM, load_hf_checkpoint
-    from training.export import export_checkpoint
+    from training.tools.export import export_checkpoint
 
     out = export_checkpoint(str(ref_run.run_dir), str(tmp_path / "hf"))
     loaded = load_hf_checkpoint(out).eval()
@@ -79,7 +79,7 @@ def test_hf_export_round_trip_from_zero2_equals_engine_module(ref_run, tmp_path)
 
 def test_hf_export_from_zero3_matches_zero2_weights(zero_runs, ref_run, tmp_path):
     from model import load_hf_checkpoint
-    from training.export import export_checkpoint
+    from training.tools.export import export_checkpoint
 
     z3 = load_hf_checkpoint(export_checkpoint(str(zero_runs[3].run_dir), str(tmp_path / "z3")))
     z1 = load_hf_checkpoint(export_checkpoint(str(zero_runs[1].run_dir), str(tmp_path / "z1")))
@@ -90,7 +90,7 @@ def test_hf_export_from_zero3_matches_zero2_weights(zero_runs, ref_run, tmp_path
 
 
 def test_training_starts_from_an_hf_checkpoint(ref_run, runs_root):
-    from training.export import export_checkpoint
+    from training.tools.export import export_checkpoint
 
     hf = export_checkpoint(str(ref_run.run_dir), str(runs_root / "ref_hf"))
     over = [o for o in REF if not o.startswith(("train.steps=", "checkpoint.every="))]

@@ -53,7 +53,7 @@ def ckpt_dir(run_dir: Path, step: int) -> Path:
 
 def load_states(tag_dir: Path) -> tuple[dict, dict]:
     """(model-states file dict: module, lr_scheduler, ...; optimizer state) of a 1-rank DeepSpeed checkpoint, loaded weights-only."""
-    from training.safe_load import safe_torch_load
+    from training.checkpoint.safe_load import safe_torch_load
 
     model = safe_torch_load(str(tag_dir / "mp_rank_00_model_states.pt"))
     optim_files = sorted(tag_dir.glob("*optim_states.pt"))

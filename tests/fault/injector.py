@@ -1,26 +1,32 @@
-"""Test-only fault injection, driven by environment variables; zero cost when none is set.
+"""Test-only fault injection: a trainer callback driven by environment variables (never imported by production).
 
 The fault suite (tests/fault/, launch/fault_matrix.sh) needs faults at exact, reproducible points of a real
-launcher run. Every hook reads its variable once (at import) and is a plain `if` afterwards:
+launcher run. The run harness (tests/distributed/conftest.py `run_training`) adds
+`callbacks=[tests.fault.injector.FaultInjector]` whenever a K3_FAULT_* variable is set; the callback reads:
 
     K3_FAULT_NAN_AT_STEP=3,4        the loss of these (1-based) steps is NaN (forward value and gradient)
     K3_FAULT_INF_GRAD_AT_STEP=3     the loss value stays finite, its gradient is +inf (a gradient-only fault)
-    K3_FAULT_RANK=1                 restrict the NaN/Inf faults and the kill to this rank (default: every rank)
-    K3_FAULT_KILL_AT_STEP=4         SIGKILL this process right after optimizer step 4 (before any checkpoint of 4)
+    K3_FAULT_RANK=1                 restrict the faults to this rank (default: every rank)
+    K3_FAULT_KILL_AT_STEP=4         SIGKILL this process right after optimizer step 4 (after its metrics line,
+                                    before any checkpoint of 4)
     K3_FAULT_KILL_IN_CKPT_PHASE=p   with K3_FAULT_KILL_AT_STEP=k: SIGKILL inside the checkpoint write of step k
-                                    at phase p (see CKPT_PHASES), instead of after the step
+                                    at phase p (training.checkpoint.SAVE_PHASES), instead of after the step
+
+NaN/Inf faults use PyTorch's own seam, a forward hook on the model that replaces the output's loss.
 """
 from __future__ import annotations
 
 import os
 import signal
+from typing import Any
 
 import torch
 
-CKPT_PHASES = ("begin", "after_engine_save", "after_rank_file", "before_complete", "before_latest", "before_prune")
+from training.callbacks import Callback
+from training.checkpoint import SAVE_PHASES
 
 
-def _steps(name: str) -> frozenset[int]:
+def parse_steps(name: str) -> frozenset[int]:
     raw = os.environ.get(name, "").strip()
     if not raw:
         return frozenset()
@@ -28,20 +34,6 @@ def _steps(name: str) -> frozenset[int]:
         return frozenset(int(s) for s in raw.split(",") if s.strip())
     except ValueError:
         raise ValueError(f"{name}={raw!r} must be a comma-separated list of step numbers, e.g. 3,4") from None
-
-
-NAN_STEPS = _steps("K3_FAULT_NAN_AT_STEP")
-INF_GRAD_STEPS = _steps("K3_FAULT_INF_GRAD_AT_STEP")
-KILL_STEPS = _steps("K3_FAULT_KILL_AT_STEP")
-KILL_PHASE = os.environ.get("K3_FAULT_KILL_IN_CKPT_PHASE") or None
-FAULT_RANK = int(os.environ["K3_FAULT_RANK"]) if os.environ.get("K3_FAULT_RANK") else None
-ACTIVE = bool(NAN_STEPS or INF_GRAD_STEPS or KILL_STEPS)
-if KILL_PHASE is not None and KILL_PHASE not in CKPT_PHASES:
-    raise ValueError(f"K3_FAULT_KILL_IN_CKPT_PHASE={KILL_PHASE!r} must be one of {'|'.join(CKPT_PHASES)}")
-
-
-def _mine(rank: int) -> bool:
-    return FAULT_RANK is None or FAULT_RANK == rank
 
 
 class _InfGrad(torch.autograd.Function):
@@ -56,13 +48,11 @@ class _InfGrad(torch.autograd.Function):
         return g * float("inf")
 
 
-def poison_loss(loss: torch.Tensor, step: int, rank: int) -> torch.Tensor:
-    """The loss of (1-based) `step`, poisoned when a NaN/Inf fault targets this step and rank."""
-    if not ACTIVE or not _mine(rank):
-        return loss
-    if step in NAN_STEPS:
+def poison(loss: torch.Tensor, step: int, nan_steps: frozenset[int], inf_steps: frozenset[int]) -> torch.Tensor:
+    """The loss of (1-based) `step`, poisoned when a NaN/Inf fault targets it."""
+    if step in nan_steps:
         return loss * float("nan")
-    if step in INF_GRAD_STEPS:
+    if step in inf_steps:
         return _InfGrad.apply(loss)
     return loss
 
@@ -71,23 +61,35 @@ def _kill() -> None:
     os.kill(os.getpid(), signal.SIGKILL)  # a real kill -9: no cleanup, no flush, no atexit
 
 
-def after_step(step: int, rank: int) -> None:
-    """Kill point right after optimizer step `step` (and its metrics line), before its checkpoint."""
-    if KILL_STEPS and KILL_PHASE is None and step in KILL_STEPS and _mine(rank):
-        _kill()
+class FaultInjector(Callback):
+    def __init__(self) -> None:
+        self.nan = parse_steps("K3_FAULT_NAN_AT_STEP")
+        self.inf = parse_steps("K3_FAULT_INF_GRAD_AT_STEP")
+        self.kill = parse_steps("K3_FAULT_KILL_AT_STEP")
+        self.phase = os.environ.get("K3_FAULT_KILL_IN_CKPT_PHASE") or None
+        rank = os.environ.get("K3_FAULT_RANK")
+        self.rank = int(rank) if rank else None
+        if self.phase is not None and self.phase not in SAVE_PHASES:
+            raise ValueError(f"K3_FAULT_KILL_IN_CKPT_PHASE={self.phase!r} must be one of {'|'.join(SAVE_PHASES)}")
 
+    def _mine(self, trainer) -> bool:
+        return self.rank is None or self.rank == trainer.info.rank
 
-def checkpoint_phase(phase: str, step: int, rank: int) -> None:
-    """Kill point inside the checkpoint write of `step` (called by training/checkpoint.py at each phase)."""
-    if KILL_PHASE == phase and step in KILL_STEPS and _mine(rank):
-        _kill()
+    def on_train_start(self, trainer) -> None:
+        if not (self.nan or self.inf) or not self._mine(trainer):
+            return
 
+        def hook(_module: torch.nn.Module, _args: Any, out: Any) -> Any:
+            if out.loss is not None and torch.is_grad_enabled():
+                out.loss = poison(out.loss, trainer.step + 1, self.nan, self.inf)
+            return out
 
-def free_bytes(path: str) -> int:
-    """Free bytes on `path`'s filesystem; K3_FAULT_DISK_FREE_BYTES fakes a full disk in tests."""
-    fake = os.environ.get("K3_FAULT_DISK_FREE_BYTES")
-    if fake:
-        return int(fake)
-    import shutil
+        trainer.module.register_forward_hook(hook)
 
-    return int(shutil.disk_usage(path).free)
+    def on_step_end(self, trainer) -> None:
+        if self.phase is None and trainer.step in self.kill and self._mine(trainer):
+            _kill()
+
+    def on_checkpoint_phase(self, trainer, phase: str, step: int) -> None:
+        if self.phase == phase and step in self.kill and self._mine(trainer):
+            _kill()

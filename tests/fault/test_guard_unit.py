@@ -1,4 +1,4 @@
-"""Unit properties of the step guard (training/guard.py) and the fault hooks (training/faults.py)."""
+"""Unit properties of the step guard (training/guard.py) and the fault hooks (tests/fault/injector.py)."""
 from __future__ import annotations
 
 import math
@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from training import faults, guard
+from tests.fault import injector
+from training import guard, rundir
 
 
 def _trained_adamw() -> tuple[torch.nn.Linear, torch.optim.AdamW]:
@@ -77,20 +78,15 @@ def test_zero_max_bad_steps_never_stops():
     assert not g.exhausted
 
 
-def test_nan_fault_poisons_only_its_step_and_rank(monkeypatch):
-    monkeypatch.setattr(faults, "NAN_STEPS", frozenset({3}))
-    monkeypatch.setattr(faults, "ACTIVE", True)
-    monkeypatch.setattr(faults, "FAULT_RANK", 1)
+def test_nan_fault_poisons_only_its_step():
     x = torch.tensor(2.0)
-    assert torch.isnan(faults.poison_loss(x, 3, rank=1))
-    assert faults.poison_loss(x, 3, rank=0) is x and faults.poison_loss(x, 2, rank=1) is x
+    assert torch.isnan(injector.poison(x, 3, frozenset({3}), frozenset()))
+    assert injector.poison(x, 2, frozenset({3}), frozenset()) is x
 
 
-def test_inf_grad_fault_keeps_the_loss_finite_but_not_its_gradient(monkeypatch):
-    monkeypatch.setattr(faults, "INF_GRAD_STEPS", frozenset({1}))
-    monkeypatch.setattr(faults, "ACTIVE", True)
+def test_inf_grad_fault_keeps_the_loss_finite_but_not_its_gradient():
     w = torch.tensor(3.0, requires_grad=True)
-    loss = faults.poison_loss(w * 2, 1, rank=0)
+    loss = injector.poison(w * 2, 1, frozenset(), frozenset({1}))
     loss.backward()
     assert float(loss.detach()) == 6.0 and math.isinf(float(w.grad))
 
@@ -98,8 +94,17 @@ def test_inf_grad_fault_keeps_the_loss_finite_but_not_its_gradient(monkeypatch):
 def test_bad_fault_env_is_a_one_line_error(monkeypatch):
     monkeypatch.setenv("K3_FAULT_NAN_AT_STEP", "three")
     with pytest.raises(ValueError, match="K3_FAULT_NAN_AT_STEP='three' must be a comma-separated list"):
-        faults._steps("K3_FAULT_NAN_AT_STEP")
+        injector.FaultInjector()
+
+
+def test_production_code_never_imports_the_fault_injector():
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    hits = [str(p) for pkg in ("model", "data", "training") for p in (root / pkg).rglob("*.py")
+            if "injector" in p.read_text() and "tests.fault" in p.read_text()]
+    assert hits == []
 
 
 def test_checkpoint_estimate_grows_with_kept_checkpoints():
-    assert guard.checkpoint_bytes_estimate(10**6, 3) > guard.checkpoint_bytes_estimate(10**6, 1)
+    assert rundir.checkpoint_bytes_estimate(10**6, 3) > rundir.checkpoint_bytes_estimate(10**6, 1)

@@ -11,7 +11,7 @@ import pytest
 
 from tests.fault.conftest import (TINY, ckpt_dir, must_succeed, partial_tags, record, run_and_kill_launcher,
                                   run_training)
-from training.faults import CKPT_PHASES
+from training.checkpoint import SAVE_PHASES as CKPT_PHASES
 
 pytestmark = pytest.mark.distributed
 STEPS = 8

@@ -1,7 +1,7 @@
 """Fault 4: a NaN/Inf loss or gradient skips the step without touching weights, optimizer state or LR schedule;
 skipped steps are counted in metrics.jsonl; N consecutive bad steps stop the run with a message and a checkpoint.
 
-Real 1-rank jobs (python -m training.train) with the test hooks of training/faults.py, checkpoints every step.
+Real 1-rank jobs (python -m training.train) with the test hooks of tests/fault/injector.py, checkpoints every step.
 """
 from __future__ import annotations
 

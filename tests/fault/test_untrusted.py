@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.fault.conftest import (BASE_STEPS, SECRET, ckpt_dir, copy_run, resume_overrides, run_training)
-from training.safe_load import CheckpointError, safe_torch_load, verify_checkpoint
+from training.checkpoint.safe_load import CheckpointError, safe_torch_load, verify_checkpoint
 
 
 class _Payload:

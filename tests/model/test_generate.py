@@ -4,8 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.generate import generate, main, sample_next
-from model.hf import save_hf_checkpoint
+from model.generate import generate, sample_next
 from model.k3 import K3Cache, K3ForCausalLM
 from tests.model.micro import exercise_every_path, micro_config
 
@@ -68,17 +67,3 @@ def test_streaming_callback_and_eos_stop(model):
     seen = []
     out = generate(model, prompt, 6, eos_token_id=eos, callback=lambda t: seen.append(int(t[0])))
     assert out[0, 4:].tolist() == greedy[0, 4:7].tolist() == seen
-
-
-def test_cli_prints_prompt_and_continuation(tmp_path, model, capsys):
-    save_hf_checkpoint(model, tmp_path)
-    assert main(["--checkpoint", str(tmp_path), "--prompt-ids", "1 2 3", "--max-new-tokens", "4"]) == 0
-    words = capsys.readouterr().out.split()
-    expected = generate(model, torch.tensor([[1, 2, 3]]), 4)[0].tolist()
-    assert [int(w) for w in words] == expected
-
-
-def test_cli_text_prompt_without_tokenizer_is_refused(tmp_path, model):
-    save_hf_checkpoint(model, tmp_path)
-    with pytest.raises(SystemExit):
-        main(["--checkpoint", str(tmp_path), "--prompt", "hello"])

@@ -6,17 +6,9 @@ import random
 import numpy as np
 import torch
 
-from training.checkpoint import (
-    COMPLETE,
-    _atomic_write,
-    _prune,
-    complete_tags,
-    find_latest,
-    resolve_checkpoint,
-    rng_state,
-    set_rng_state,
-    tag_for,
-)
+from data.files import atomic_write as _atomic_write
+from training.checkpoint import complete_tags, find_latest, resolve_checkpoint, rng_state, set_rng_state, tag_for
+from training.checkpoint.store import COMPLETE, _prune
 
 
 def make_tag(root, step, complete=True):

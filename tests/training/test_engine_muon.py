@@ -1,10 +1,10 @@
-"""Muon optimizer (training/muon.py): orthogonalisation maths and a tiny optimisation problem."""
+"""Muon optimizer (training/optim/muon.py): orthogonalisation maths and a tiny optimisation problem."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from training.muon import Muon, newton_schulz, orthogonalise
+from training.optim.muon import Muon, newton_schulz, orthogonalise
 
 
 def test_newton_schulz_maps_singular_values_near_one_for_odd_shapes():

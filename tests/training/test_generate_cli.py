@@ -7,12 +7,12 @@ import shutil
 import pytest
 import torch
 
-from training.generate import main
+from training.tools.generate import main
 
 
 @pytest.fixture(scope="module")
 def hf_export(real_run, tmp_path_factory):
-    from training.export import export_checkpoint
+    from training.tools.export import export_checkpoint
 
     return export_checkpoint(str(real_run), str(tmp_path_factory.mktemp("hf")))
 
@@ -32,8 +32,7 @@ def test_greedy_stream_is_the_decoded_continuation(hf_export, capsys):
     assert rc == 0 and "tokens/s" in err
     tok = Tokenizer.load(os.path.join(hf_export, "tokenizer.model"))
     model = load_hf_checkpoint(hf_export)
-    ids = tok.encode("def add(a, b):")
-    ids = ([tok.bos_id] if tok.bos_id is not None else []) + ids
+    ids = tok.encode("def add(a, b):")  # the run trained without data.add_bos: no BOS in front
     ref = generate(model, torch.tensor([ids]), 6, eos_token_id=tok.eos_id)[0, len(ids):].tolist()
     assert out == "def add(a, b):" + tok.decode(ref) + "\n"
 
@@ -60,9 +59,24 @@ def test_prompt_ids_work_without_a_tokenizer(hf_export, tmp_path, capsys):
     assert rc == 2 and "use prompt_ids=" in err and len(err.strip().splitlines()) == 1
 
 
+def test_bos_follows_the_runs_data_config_unless_forced(real_run, hf_export, capsys):
+    from training.tools.generate import trained_with_bos
+
+    assert trained_with_bos(real_run / "checkpoints") is False
+    _, plain, _ = _run(capsys, f"checkpoint={real_run}", "prompt=import os", "max_new_tokens=4")
+    _, forced, _ = _run(capsys, f"checkpoint={real_run}", "prompt=import os", "max_new_tokens=4", "bos=true")
+    _, hf, _ = _run(capsys, hf_export, "prompt=import os", "max_new_tokens=4", "bos=false")
+    assert plain == hf and plain.startswith("import os") and forced.startswith("import os")
+
+
+def test_checkpoint_may_be_given_as_the_first_positional_argument(hf_export, capsys):
+    rc, out, _ = _run(capsys, hf_export, "prompt_ids=1 2 3", "max_new_tokens=2")
+    assert rc == 0 and out.startswith("1 2 3")
+
+
 @pytest.mark.parametrize("args,fragment", [
-    ((), "checkpoint=<dir> is required"),
-    (("checkpoint",), "is not key=value"),
+    ((), "checkpoint=<...> is required"),
+    (("checkpoint", "extra"), "is not key=value"),
     (("checkpoint=/nonexistent/x",), "does not exist"),
     (("checkpoint=.", "temprature=1"), "unknown key 'temprature'"),
 ])

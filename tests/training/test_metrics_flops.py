@@ -37,7 +37,7 @@ def test_all_kda_model_has_flops_independent_of_seq_len():
 
 
 def _spec_non_matmul_active(c: K3Config) -> int:
-    """Active parameters that are not multiplied with a token vector (spec section 8 terms)."""
+    """Active parameters that are not multiplied with a token vector (docs/model.md §8 terms)."""
     n_kda, n_mla = c.layer_types.count("kda"), c.layer_types.count("mla")
     n_moe = sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
     P = c.kda_num_heads * c.kda_head_dim
@@ -62,12 +62,12 @@ def test_matmul_flops_are_twice_matmul_params():
 
 
 def test_attn_res_mixture_sizes_follow_the_block_algorithm():
-    k3 = F.attn_res_candidates(K3Config.preset("k3"))
-    assert max(max(p) for p in k3) == 9  # 7 full blocks + partial + embedding (spec section 6)
-    tiny = F.attn_res_candidates(K3Config.preset("tiny"))
-    assert tiny[0] == (0, 2) and max(max(p) for p in tiny) == 4  # spec section 9: 4 candidates
-    off = F.attn_res_candidates(K3Config.preset("tiny", attn_res_block_size=0))
-    assert all(p == (0, 0) for p in off)
+    k3 = F.attn_res_sizes(K3Config.preset("k3")).layers
+    assert max(max(p) for p in k3) == 9  # 7 full blocks + partial + embedding (docs/model.md §6)
+    tiny = F.attn_res_sizes(K3Config.preset("tiny")).layers
+    assert tiny[0] == (0, 2) and max(max(p) for p in tiny) == 4  # docs/model.md §9: 4 candidates
+    off = F.attn_res_sizes(K3Config.preset("tiny", attn_res_block_size=0))
+    assert all(p == (0, 0) for p in off.layers) and off.output == 0
 
 
 def test_mfu_is_achieved_model_flops_over_peak():

@@ -8,9 +8,9 @@ import torch
 
 from model.config import K3Config
 from model.k3 import causal_lm_loss
-from training.activations import activation_bytes, loss_backward_bytes
+from training.tools.activation_memory import activation_bytes, loss_backward_bytes
 from training.metrics.heap import HeapPeak, heap_supported
-from training.plan import Hardware, Layout, from_overrides, main, plan
+from training.tools.plan import Hardware, Layout, from_overrides, main, plan
 
 K3 = ["model=k3", "deepspeed=zero3", "deepspeed.offload_optimizer=true", "parallel.ep_size=128",
       "train.seq_len=4096", "train.micro_batch_size=1", "train.activation_checkpointing=true",

@@ -10,7 +10,7 @@ import torch
 
 from training.metrics import RunLogger, router_metrics
 from training.metrics.router import bucket_experts
-from training.report import build_report, dedupe_by_step, main, pick_steps
+from training.tools.report import build_report, dedupe_by_step, main, pick_steps
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -53,7 +53,7 @@ def test_report_renders_every_plot_and_an_index(synthetic_run, tmp_path):
 
 
 def test_cli_writes_report_next_to_the_run(synthetic_run):
-    r = subprocess.run([sys.executable, "-m", "training.report", str(synthetic_run), "--steps", "12"],
+    r = subprocess.run([sys.executable, "-m", "training.report", str(synthetic_run), "steps=12"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert (synthetic_run / "report" / "index.html").is_file()

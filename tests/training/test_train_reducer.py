@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from training.distributed import DistStatsReducer
-from training.train import count_targets, mask_cross_segment_targets
+from training.step import pack_microbatch
 
 
 def _free_port() -> int:
@@ -46,9 +46,7 @@ def test_dist_stats_reducer_sum_and_variable_length_cat():
         assert torch.equal(empty, torch.ones((2, 2)))
 
 
-def test_targets_crossing_a_segment_start_are_masked():
-    labels = torch.arange(10).reshape(1, -1)
-    cu = torch.tensor([0, 4, 7, 10])
-    got = mask_cross_segment_targets(labels, cu)
-    assert got[0].tolist() == [-100, 1, 2, 3, -100, 5, 6, -100, 8, 9]
-    assert count_targets(got) == 9 - 2  # targets 1..9 minus the two document starts
+def test_targets_crossing_a_document_boundary_are_not_counted():
+    mb = pack_microbatch({"input_ids": torch.arange(10).reshape(1, -1), "labels": torch.arange(10).reshape(1, -1),
+                          "cu_seqlens": torch.tensor([0, 4, 7, 10])})
+    assert mb.n_targets == 9 - 2  # targets 1..9 minus the two document starts

@@ -18,9 +18,7 @@ from typing import Any
 
 import torch
 
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message is one line naming the file and the fix."""
+from model.hf import CheckpointError  # one class for "this checkpoint cannot be used": one line naming the fix
 
 
 def _allowed_globals() -> list[Any]:
@@ -84,8 +82,7 @@ def verify_checkpoint(tag_dir: str, trainer_state: bool = True) -> None:
     if trainer_state:
         _check_trainer_state(os.path.join(tag_dir, "trainer_state.json"))
     files = sorted(glob.glob(os.path.join(tag_dir, "*.pt")))
-    if not any(os.path.basename(p).startswith("mp_rank_") for p in files) and not glob.glob(
-            os.path.join(tag_dir, "*model_states.pt")):
+    if not glob.glob(os.path.join(tag_dir, "*model_states.pt")):
         raise CheckpointError(f"checkpoint {tag_dir} has no model states file (mp_rank_*_model_states.pt); "
                               "resume from another checkpoint (checkpoint.fallback=true)")
     for p in files:
@@ -103,23 +100,3 @@ def install(engine) -> None:
 
     ce.load = load  # type: ignore[method-assign]
 
-
-def pick_resume(found: str | None, fallback: bool, is_main: bool) -> str | None:
-    """`found` if it verifies; with `fallback`, else the newest older complete checkpoint that does."""
-    if found is None:
-        return None
-    from training.checkpoint import complete_tags
-
-    root, tag = os.path.split(found.rstrip("/"))
-    older = [os.path.join(root, t) for t in reversed(complete_tags(root)) if t < tag] if fallback else []
-    for cand in [found, *older]:
-        try:
-            verify_checkpoint(cand)
-            return cand
-        except CheckpointError as e:
-            if not fallback:
-                raise
-            if is_main:
-                print(f"warning: {e}; falling back to the previous checkpoint", flush=True)
-    raise CheckpointError(f"no usable checkpoint under {root} (every complete one failed verification); "
-                          "start fresh with checkpoint.resume=none or a new run_dir")

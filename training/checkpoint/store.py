@@ -8,26 +8,39 @@ Layout of `<run_dir>/checkpoints/`:
         COMPLETE              written by rank 0 after a barrier: every rank finished writing
     latest                    the newest COMPLETE tag, replaced atomically (tmp file + os.replace)
 
-A crash mid-write leaves a tag dir without COMPLETE; `latest` still names the previous good one, and `find_latest`
-skips incomplete dirs, so the last good checkpoint is never lost. Keep-last-N prunes only COMPLETE dirs older
-than the one just committed.
+A crash mid-write leaves a tag dir without COMPLETE; `latest` still names the previous good one, and
+`training.checkpoint.resume.find_latest` skips incomplete dirs, so the last good checkpoint is never lost.
+Keep-last-N prunes only COMPLETE dirs older than the one just committed.
+
+`save` takes an `on_phase(phase, step)` seam called at each phase of the write (`SAVE_PHASES`): the trainer routes
+it to its callbacks, so a test-only fault injector can kill a rank at an exact point without this module knowing.
 """
 from __future__ import annotations
 
+import glob
+import io
 import json
 import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
+from data.files import atomic_write
+from training.checkpoint.safe_load import safe_torch_load
 from training.distributed import barrier
 
 TAG_RE = re.compile(r"^step_(\d{8})$")
 COMPLETE = "COMPLETE"
+LATEST = "latest"
+TRAINER_STATE = "trainer_state.json"
+SAVE_PHASES = ("begin", "after_engine_save", "after_rank_file", "before_complete", "before_latest", "before_prune")
+# DeepSpeed-MoE writes one file per (layer, global expert id) under ZeRO 1/2 (engine._save_moe_checkpoint)
+EXPERT_FILES_GLOB = "layer_*_expert_*_model_states.pt"
 
 
 def tag_for(step: int) -> str:
@@ -36,15 +49,6 @@ def tag_for(step: int) -> str:
 
 def is_complete(tag_dir: str) -> bool:
     return os.path.isfile(os.path.join(tag_dir, COMPLETE))
-
-
-def _atomic_write(path: str, text: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def rng_state() -> dict[str, Any]:
@@ -69,67 +73,48 @@ def complete_tags(root: str) -> list[str]:
     """COMPLETE tag names under `root`, oldest first."""
     if not os.path.isdir(root):
         return []
-    tags = [d for d in os.listdir(root) if TAG_RE.match(d) and is_complete(os.path.join(root, d))]
-    return sorted(tags)
+    return sorted(d for d in os.listdir(root) if TAG_RE.match(d) and is_complete(os.path.join(root, d)))
 
 
-def find_latest(root: str) -> str | None:
-    """The newest COMPLETE checkpoint dir under `root` (prefers the `latest` marker), or None."""
-    marker = os.path.join(root, "latest")
-    if os.path.isfile(marker):
-        with open(marker, encoding="utf-8") as f:
-            tag = f.read().strip()
-        tags = complete_tags(root)
-        if tag and is_complete(os.path.join(root, tag)) and not (tags and tags[-1] > tag):
-            return os.path.join(root, tag)  # (a crash between COMPLETE and the marker: the newer one wins)
-    tags = complete_tags(root)
-    return os.path.join(root, tags[-1]) if tags else None
+PhaseHook = Callable[[str, int], None]
 
 
-def resolve_checkpoint(path: str) -> str:
-    """Accept a tag dir, a checkpoints/ dir or a run dir; return a COMPLETE tag dir or raise one line."""
-    path = os.path.abspath(path)
-    if is_complete(path):
-        return path
-    for root in (path, os.path.join(path, "checkpoints")):
-        found = find_latest(root)
-        if found:
-            return found
-    raise FileNotFoundError(f"no complete checkpoint at {path}; pass a run dir, its checkpoints/ or a step_* dir")
+def _no_phase(phase: str, step: int) -> None:
+    pass
 
 
 def save(engine, root: str, step: int, trainer_state: dict[str, Any], rank_state: dict[str, Any], rank: int,
-         keep_last: int, extra_files=None, client_extra: dict[str, Any] | None = None) -> str:
+         keep_last: int, extra_files: Callable[[str], None] | None = None,
+         client_extra: dict[str, Any] | None = None, on_phase: PhaseHook = _no_phase) -> str:
     """Collective: every rank calls it. Returns the committed tag dir.
 
     `extra_files(tag_dir)` runs on rank 0 before COMPLETE (model config.json, tokenizer).
     """
-    from training import faults
-
     tag = tag_for(step)
     tag_dir = os.path.join(root, tag)
-    faults.checkpoint_phase("begin", step, rank)
+    on_phase("begin", step)
     if rank == 0:
         os.makedirs(root, exist_ok=True)
         if os.path.isdir(tag_dir):  # a crashed earlier write of the same step: never half-overwrite
             shutil.rmtree(tag_dir)
     barrier()
     engine.save_checkpoint(root, tag=tag, client_state={"trainer_state": trainer_state, **(client_extra or {})}, save_latest=False)
-    faults.checkpoint_phase("after_engine_save", step, rank)
+    on_phase("after_engine_save", step)
     rank_path = os.path.join(tag_dir, f"rank_{rank:05d}.pt")
-    torch.save(rank_state, rank_path + ".tmp")
-    os.replace(rank_path + ".tmp", rank_path)
-    faults.checkpoint_phase("after_rank_file", step, rank)
+    buf = io.BytesIO()
+    torch.save(rank_state, buf)
+    atomic_write(rank_path, buf.getvalue())
+    on_phase("after_rank_file", step)
     barrier()  # every rank has written its shards and its rank file
     if rank == 0:
         if extra_files is not None:
             extra_files(tag_dir)
-        _atomic_write(os.path.join(tag_dir, "trainer_state.json"), json.dumps(trainer_state, indent=2) + "\n")
-        faults.checkpoint_phase("before_complete", step, rank)
-        _atomic_write(os.path.join(tag_dir, COMPLETE), "")
-        faults.checkpoint_phase("before_latest", step, rank)
-        _atomic_write(os.path.join(root, "latest"), tag)
-        faults.checkpoint_phase("before_prune", step, rank)
+        atomic_write(os.path.join(tag_dir, TRAINER_STATE), json.dumps(trainer_state, indent=2) + "\n")
+        on_phase("before_complete", step)
+        atomic_write(os.path.join(tag_dir, COMPLETE), "")
+        on_phase("before_latest", step)
+        atomic_write(os.path.join(root, LATEST), tag)
+        on_phase("before_prune", step)
         _prune(root, keep_last, keep=tag)
     barrier()
     return tag_dir
@@ -148,9 +133,7 @@ def _prune(root: str, keep_last: int, keep: str) -> None:
 
 def has_expert_files(tag_dir: str) -> bool:
     """True for checkpoints written with DeepSpeed-MoE expert files (expert parallelism)."""
-    import glob
-
-    return bool(glob.glob(os.path.join(tag_dir, "layer_*_expert_*_model_states.pt")))
+    return bool(glob.glob(os.path.join(tag_dir, EXPERT_FILES_GLOB)))
 
 
 def load(engine, tag_dir: str, rank: int, world_size: int, ep_load=None
@@ -169,13 +152,11 @@ def load(engine, tag_dir: str, rank: int, world_size: int, ep_load=None
         path, client = engine.load_checkpoint(root, tag=tag, **kw)
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {tag_dir}")
-    with open(os.path.join(tag_dir, "trainer_state.json"), encoding="utf-8") as f:
+    with open(os.path.join(tag_dir, TRAINER_STATE), encoding="utf-8") as f:
         trainer_state = json.load(f)
     same_world = int(trainer_state.get("world_size", -1)) == world_size
     own = os.path.join(tag_dir, f"rank_{rank:05d}.pt")
     src = own if same_world else os.path.join(tag_dir, "rank_00000.pt")
-    from training.safe_load import safe_torch_load
-
     rank_state = safe_torch_load(src)  # untrusted input: never unpickles code
     if not same_world:
         rank_state = {"data": rank_state.get("data"), "rng": None}

@@ -110,7 +110,7 @@ def consolidated_module_state(tag_dir: str | os.PathLike, mp_rank: int = 0) -> d
     main = os.path.join(tag_dir, f"mp_rank_{mp_rank:02d}_model_states.pt")
     if not os.path.isfile(main):
         raise FileNotFoundError(f"no {main}; pass a checkpoint tag directory (e.g. run_dir/checkpoints/global_step10)")
-    from training.safe_load import safe_torch_load  # checkpoints are untrusted: weights-only
+    from training.checkpoint.safe_load import safe_torch_load  # checkpoints are untrusted: weights-only
 
     sd = dict(safe_torch_load(main)["module"])
     slices: dict[tuple[str, str], dict[int, torch.Tensor]] = {}

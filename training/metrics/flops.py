@@ -9,7 +9,7 @@ Forward FLOPs per token (multiply-accumulate = 2 FLOPs), T = seq_len, summed ove
   Embedding lookups, norms, biases, gates' elementwise maths are excluded.
 - MLA attention (causal, un-absorbed training form): QK^T costs 2*H*(d_n+d_r) and PV 2*H*d_v per (query, key)
   pair; a causal sequence has T(T+1)/2 pairs, i.e. (T+1)/2 per token -> H*(d_n+d_r+d_v)*(T+1) per layer.
-- KDA chunked core (spec section 3, chunk C, per head, per token): L = (K.D)K^T C*d_k, W,U = M[K|V] C*(d_k+d_v),
+- KDA chunked core (docs/model.md §3, chunk C, per head, per token): L = (K.D)K^T C*d_k, W,U = M[K|V] C*(d_k+d_v),
   A_qk C*d_k, A_qk V' C*d_v, three state products (W S, Q S, K^T V') 3*d_k*d_v, the unit-lower solve C^2/6 MACs
   -> 2*H*(C*(3*d_k + 2*d_v) + 3*d_k*d_v + C^2/6). Linear in T (no T term).
 - Block AttnRes: each depth mixture over N candidates costs 4*N*d (dot products + weighted sum).
@@ -17,20 +17,18 @@ Training = 3 x forward (backward = 2 x forward). Recomputation is not counted (M
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # model/ is imported lazily so training.metrics loads without it
-    from model.config import K3Config
+from model.attn_res import MixtureSizes, attn_res_mixture_sizes
+from model.config import K3Config
 
 
-def _kda_matmul_params(c: "K3Config") -> int:
+def _kda_matmul_params(c: K3Config) -> int:
     d, P, H, dk, K = c.hidden_size, c.kda_num_heads * c.kda_head_dim, c.kda_num_heads, c.kda_head_dim, c.kda_conv_size
     gate = d * P if c.kda_use_full_rank_gate else d * dk + dk * P
     # q,k,v + convs + f_a/f_b (decay) + b_proj (beta) + output gate + o_proj
     return 3 * d * P + 3 * K * P + (d * dk + dk * P) + d * H + gate + P * d
 
 
-def _mla_matmul_params(c: "K3Config") -> int:
+def _mla_matmul_params(c: K3Config) -> int:
     d, H = c.hidden_size, c.num_attention_heads
     dn, dr, dv, rkv = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
     q = d * c.q_lora_rank + c.q_lora_rank * H * (dn + dr) if c.q_lora_rank else d * H * (dn + dr)
@@ -38,26 +36,18 @@ def _mla_matmul_params(c: "K3Config") -> int:
     return q + d * (rkv + dr) + rkv * H * (dn + dv) + gate + H * dv * d
 
 
-def _moe_active_matmul_params(c: "K3Config") -> int:
+def _moe_active_matmul_params(c: K3Config) -> int:
     d, E, k = c.hidden_size, c.num_experts, c.num_experts_per_token
     l, Im = c.routed_expert_hidden_size, c.moe_intermediate_size
     return E * d + 2 * d * l + k * 3 * l * Im + 3 * d * c.num_shared_experts * Im
 
 
-def attn_res_candidates(c: "K3Config") -> list[tuple[int, int]]:
-    """(N_attn, N_mlp) depth-mixture sizes per layer (0 = no mixture), per spec section 6's algorithm."""
-    if not c.attn_res_enabled:
-        return [(0, 0)] * c.num_hidden_layers
-    B = int(c.attn_res_block_size)
-    out = []
-    for ell in range(c.num_hidden_layers):
-        n_attn = 0 if ell == 0 else (ell - 1) // B + 2  # closed blocks + current partial
-        n_mlp = ell // B + 2
-        out.append((n_attn, n_mlp))
-    return out
+def attn_res_sizes(c: K3Config) -> MixtureSizes:
+    """The model's own Block AttnRes mixture sizes (model/attn_res.py): one home for the bookkeeping."""
+    return attn_res_mixture_sizes(c.num_hidden_layers, c.attn_res_block_size if c.attn_res_enabled else None)
 
 
-def flops_breakdown(config: "K3Config", seq_len: int) -> dict[str, float]:
+def flops_breakdown(config: K3Config, seq_len: int) -> dict[str, float]:
     """Forward FLOPs per token by component (see module docstring); sum = forward FLOPs per token."""
     c = config
     if seq_len <= 0:
@@ -73,9 +63,8 @@ def flops_breakdown(config: "K3Config", seq_len: int) -> dict[str, float]:
     kda_core = 2.0 * H * (C * (3 * dk + 2 * dk) + 3 * dk * dk + C * C / 6.0)  # d_v = d_k for KDA
     Hm = c.num_attention_heads
     mla_core = float(Hm * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) * (seq_len + 1))
-    cands = attn_res_candidates(c)
-    n_out = (c.num_hidden_layers - 1) // int(c.attn_res_block_size) + 2 if c.attn_res_enabled else 0
-    attn_res = 4.0 * d * (sum(a + m for a, m in cands) + n_out)
+    sizes = attn_res_sizes(c)
+    attn_res = 4.0 * d * (sum(a + m for a, m in sizes.layers) + sizes.output)
     return {
         "kda_proj": 2.0 * n_kda * _kda_matmul_params(c),
         "kda_core": n_kda * kda_core,
@@ -88,7 +77,7 @@ def flops_breakdown(config: "K3Config", seq_len: int) -> dict[str, float]:
     }
 
 
-def matmul_params_active(config: "K3Config") -> int:
+def matmul_params_active(config: K3Config) -> int:
     """Active weights a token is multiplied with (excl. embedding table, norms, biases; incl. lm_head)."""
     c = config
     types = c.layer_types
@@ -98,7 +87,7 @@ def matmul_params_active(config: "K3Config") -> int:
             + n_moe * _moe_active_matmul_params(c) + c.vocab_size * c.hidden_size)
 
 
-def flops_per_token(config: "K3Config", seq_len: int, training: bool = True) -> float:
+def flops_per_token(config: K3Config, seq_len: int, training: bool = True) -> float:
     """Model FLOPs per token at sequence length seq_len: forward, or x3 for a training step (fwd + bwd)."""
     fwd = sum(flops_breakdown(config, seq_len).values())
     return 3.0 * fwd if training else fwd

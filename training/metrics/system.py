@@ -9,9 +9,11 @@ import json
 import os
 import platform
 import time
-from pathlib import Path
 
 import torch
+
+from data.config import cache_dir
+from data.files import atomic_write
 
 # Dense (no sparsity) bf16 tensor-core peaks, FLOP/s, from vendor datasheets (SXM parts unless noted).
 GPU_PEAK_BF16: dict[str, float] = {
@@ -28,11 +30,6 @@ GPU_PEAK_BF16: dict[str, float] = {
     "L40S": 362e12,
     "L4": 121e12,
 }
-
-
-def cache_dir() -> Path:
-    """K3_CACHE_DIR, else ~/.cache/k3-train."""
-    return Path(os.environ.get("K3_CACHE_DIR") or Path.home() / ".cache" / "k3-train")
 
 
 def gpu_peak_flops(name: str) -> float | None:
@@ -94,10 +91,7 @@ def peak_flops(device: str | torch.device | None = None, refresh: bool = False) 
     value = measure()
     cache[key] = value
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
-        os.replace(tmp, path)
+        atomic_write(path, json.dumps(cache, indent=1, sort_keys=True))
     except OSError:
         pass  # a read-only home must not stop training; the value is still returned
     return value

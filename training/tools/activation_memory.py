@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from training.metrics.flops import attn_res_candidates
+from training.metrics.flops import attn_res_sizes
 
 if TYPE_CHECKING:
     from model.config import K3Config
@@ -105,17 +105,17 @@ def activation_elements(c: "K3Config", seq_len: int, attention: str = "flash") -
         comp[name][0] += af[0]
         comp[name][1] += af[1]
 
-    cands = attn_res_candidates(c)
+    sizes = attn_res_sizes(c)
     for i in range(c.num_hidden_layers):
         add("kda" if types[i] == "kda" else "mla", kda_elements(c, seq_len) if types[i] == "kda" else
             mla_elements(c, seq_len, attention))
         add("moe" if c.is_moe_layer(i) else "dense_ffn",
             moe_elements(c) if c.is_moe_layer(i) else glu_elements(d, c.intermediate_size))
-        n_attn, n_mlp = cands[i]
+        n_attn, n_mlp = sizes.layers[i]
         # mixer input (mix output or residual), two norms, partial sums after each sublayer, mlp mix output
         a = (d if (i > 0 or not c.attn_res_enabled) else 0) + 2 * d + (d if c.attn_res_enabled else 0)
         add("norms_residual", (a, 2 * (d + 1) + attn_res_elements(n_attn) + attn_res_elements(n_mlp)))
-    n_out = (c.num_hidden_layers - 1) // int(c.attn_res_block_size) + 2 if c.attn_res_enabled else 0
+    n_out = sizes.output
     # output mix + final norm + normed hidden into lm_head + logits kept by the loss + per-token lse/target
     add("head_loss", (d * (1 if c.attn_res_enabled else 0) + d + c.vocab_size, d + 1 + attn_res_elements(n_out) + 3))
     return {k: (v[0], v[1]) for k, v in comp.items()}

@@ -1,6 +1,7 @@
 """Export a training checkpoint (any ZeRO stage) as a consolidated HF checkpoint.
 
     python -m training.export <run_dir | run_dir/checkpoints | checkpoint step dir> <out_dir>
+    python -m training.export checkpoint=runs/smoke out=runs/smoke-hf
 
 ZeRO 1-3: the fp32 master weights are gathered from every rank's shards with DeepSpeed's zero_to_fp32
 utilities (buffers such as the router biases come from the model-states file); ZeRO 0: the module state file is
@@ -9,7 +10,6 @@ tokenizer saved with the checkpoint travel along, so `model.load_hf_checkpoint(o
 """
 from __future__ import annotations
 
-import argparse
 import glob
 import os
 import shutil
@@ -17,14 +17,16 @@ import sys
 
 import torch
 
+from model import K3Config, K3ForCausalLM, save_hf_checkpoint
+from training.checkpoint import has_expert_files, resolve_checkpoint, verify_checkpoint
+from training.tools.cli import parse_args, run_tool
+
 
 def consolidated_state_dict(tag_dir: str) -> dict[str, torch.Tensor]:
     """The full fp32 module state dict of a DeepSpeed checkpoint dir, whatever its ZeRO stage or EP size."""
-    from training.safe_load import verify_checkpoint
-
     verify_checkpoint(tag_dir, trainer_state=False)  # untrusted: every file must load weights-only before DeepSpeed's loaders see it
     root, tag = os.path.split(os.path.abspath(tag_dir))
-    if glob.glob(os.path.join(tag_dir, "layer_*_expert_*_model_states.pt")):
+    if has_expert_files(tag_dir):  # (DeepSpeed is imported only for the checkpoints that need it: start-up time)
         from training.ep.deepspeed_moe import consolidated_module_state
 
         return consolidated_module_state(tag_dir)
@@ -40,9 +42,6 @@ def consolidated_state_dict(tag_dir: str) -> dict[str, torch.Tensor]:
 
 def load_checkpoint_model(path: str):
     """K3ForCausalLM with the weights of the newest complete checkpoint under `path` (fp32, CPU)."""
-    from model import K3Config, K3ForCausalLM
-    from training.checkpoint import resolve_checkpoint
-
     tag_dir = resolve_checkpoint(path)
     config = K3Config.from_hf_config(tag_dir)
     state = consolidated_state_dict(tag_dir)
@@ -53,8 +52,6 @@ def load_checkpoint_model(path: str):
 
 def export_checkpoint(path: str, out_dir: str) -> str:
     """Write config.json + safetensors (+ tokenizer) for the checkpoint at `path`; returns out_dir."""
-    from model import save_hf_checkpoint
-
     model, tag_dir = load_checkpoint_model(path)
     save_hf_checkpoint(model, out_dir)
     for f in os.listdir(tag_dir):
@@ -63,18 +60,16 @@ def export_checkpoint(path: str, out_dir: str) -> str:
     return out_dir
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("checkpoint", help="run dir, its checkpoints/ dir, or a step_* checkpoint dir")
-    ap.add_argument("out_dir", help="output directory for the HF checkpoint")
-    a = ap.parse_args(argv)
-    try:
-        out = export_checkpoint(a.checkpoint, a.out_dir)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"exported {a.checkpoint} -> {out}")
+def _main(argv: list[str]) -> int:
+    a = parse_args(argv, {"checkpoint": None, "out": None}, positional=("checkpoint", "out"),
+                   kinds={"checkpoint": str, "out": str})
+    out = export_checkpoint(a["checkpoint"], a["out"])
+    print(f"exported {a['checkpoint']} -> {out}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_tool(_main, argv, __doc__ or "")
 
 
 if __name__ == "__main__":

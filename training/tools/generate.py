@@ -1,10 +1,12 @@
 """Sample from a trained model: `python -m training.generate checkpoint=<dir> prompt="..." [key=value ...]`.
 
-`checkpoint` is an HF export (config.json + safetensors, e.g. from `python -m training.export`) or a training
+The project's one generation CLI (model/generate.py holds the maths). `checkpoint` (or the first positional
+argument) is an HF export (config.json + safetensors, e.g. from `python -m training.export`) or a training
 checkpoint (a run dir, its checkpoints/ dir or one step_* dir; the newest complete one is consolidated from any
 ZeRO stage). The tokenizer is the `tokenizer.model` saved next to it. Keys: prompt, prompt_ids ("1 2 3"),
-max_new_tokens (64), temperature (0 = greedy), top_k, top_p, seed (0), dtype (float32|bfloat16), device (cpu),
-bench (false), contexts ("100,4000"), bench_tokens (32).
+max_new_tokens (64), temperature (0 = greedy), top_k, top_p, seed (0), dtype (float32|bfloat16|float64),
+device (cpu), bos (null: prepend BOS exactly when the run trained with data.add_bos, read from the run's
+config.yaml; true/false to force), bench (false), contexts ("100,4000"), bench_tokens (32).
 
 Tokens stream to stdout as they are sampled; tokens/s of the decode phase goes to stderr. `bench=true` shows why
 K3 decodes at a context-independent cost: KDA carries a fixed-size state and MLA attends over a 576-value latent
@@ -13,7 +15,6 @@ per token, so tokens/s at 100 vs 4,000 tokens of context stay close.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -21,36 +22,34 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
+
+from data import Tokenizer
+from model import load_hf_checkpoint
+from model.generate import generate
+from training.tools.cli import ToolError, parse_args, run_tool
+from training.tools.export import load_checkpoint_model
 
 DEFAULTS: dict[str, Any] = {"checkpoint": None, "prompt": None, "prompt_ids": None, "max_new_tokens": 64,
                             "temperature": 0.0, "top_k": None, "top_p": None, "seed": 0, "dtype": "float32",
-                            "device": "cpu", "bench": False, "contexts": "100,4000", "bench_tokens": 32}
+                            "device": "cpu", "bos": None, "bench": False, "contexts": "100,4000", "bench_tokens": 32}
+_KINDS = {"checkpoint": str, "prompt": str, "prompt_ids": str, "top_k": int, "top_p": float, "bos": bool}
+GenerateError = ToolError
 
 
-class GenerateError(ValueError):
-    """Bad command line or checkpoint; the message names the problem and the fix."""
+def parse(argv: Sequence[str]) -> dict[str, Any]:
+    return parse_args(argv, DEFAULTS, positional=("checkpoint",), kinds=_KINDS)
 
 
-def parse_args(argv: Sequence[str]) -> dict[str, Any]:
-    """key=value pairs (Hydra style) typed after DEFAULTS."""
-    args = dict(DEFAULTS)
-    for a in argv:
-        if "=" not in a:
-            raise GenerateError(f"argument {a!r} is not key=value; e.g. checkpoint=runs/smoke prompt=\"def \"")
-        k, v = a.lstrip("+").split("=", 1)
-        if k not in DEFAULTS:
-            raise GenerateError(f"unknown key {k!r}; choose from {sorted(DEFAULTS)}")
-        if k in ("max_new_tokens", "top_k", "seed", "bench_tokens"):
-            args[k] = int(v) if v.lower() not in ("", "null", "none") else None
-        elif k in ("temperature", "top_p"):
-            args[k] = float(v) if v.lower() not in ("", "null", "none") else None
-        elif k == "bench":
-            args[k] = v.lower() in ("1", "true", "yes")
-        else:
-            args[k] = v
-    if not args["checkpoint"]:
-        raise GenerateError("checkpoint=<dir> is required (an HF export or a training run/checkpoint directory)")
-    return args
+def trained_with_bos(*dirs: Path) -> bool:
+    """data.add_bos of the run that wrote the checkpoint (its config.yaml next to it or above), else False:
+    a prompt is encoded the way the model saw documents in training."""
+    for d in dirs:
+        for cand in (d, d.parent, d.parent.parent):
+            cfg = cand / "config.yaml"
+            if cfg.is_file():
+                return bool(OmegaConf.load(cfg).get("data", {}).get("add_bos", False))
+    return False
 
 
 def is_hf_export(path: Path) -> bool:
@@ -64,11 +63,7 @@ def load_model(checkpoint: str, dtype: torch.dtype = torch.float32, device: str 
     if not path.exists():
         raise GenerateError(f"checkpoint={checkpoint} does not exist; pass an HF export or a run directory")
     if is_hf_export(path):
-        from model import load_hf_checkpoint
-
         return load_hf_checkpoint(str(path), dtype=dtype, device=device).eval(), path
-    from training.export import load_checkpoint_model
-
     try:
         with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's consolidation chatter must not mix into the text
             model, tag_dir = load_checkpoint_model(str(path))
@@ -79,8 +74,6 @@ def load_model(checkpoint: str, dtype: torch.dtype = torch.float32, device: str 
 
 def find_tokenizer(*dirs: Path):
     """data.Tokenizer from the first `tokenizer.model` in dirs (checkpoint dir, then its run dir), else None."""
-    from data import Tokenizer
-
     for d in dirs:
         for cand in (d, d.parent, d.parent.parent):
             if (cand / "tokenizer.model").is_file():
@@ -110,8 +103,6 @@ class TextStream:
 
 def timed_generate(model, ids: list[int], max_new_tokens: int, callback=None, **sampling) -> dict[str, Any]:
     """Run model.generate with timestamps: prefill seconds and decode tokens/s (first token excluded)."""
-    from model.generate import generate
-
     stamps: list[float] = []
 
     def cb(t: torch.Tensor) -> None:
@@ -142,42 +133,38 @@ def bench(model, contexts: Sequence[int], new_tokens: int, seed: int = 0) -> lis
     return rows
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in argv):
-        print(__doc__)
+def _main(argv: list[str]) -> int:
+    a = parse(argv)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}.get(a["dtype"])
+    if dtype is None:
+        raise GenerateError(f"dtype={a['dtype']} is not float32|bfloat16|float64")
+    model, where = load_model(a["checkpoint"], dtype, a["device"])
+    if a["bench"]:
+        contexts = [int(x) for x in str(a["contexts"]).split(",") if x]
+        rows = bench(model, contexts, a["bench_tokens"], a["seed"])
+        print(f"{'context':>8} {'prefill s':>10} {'decode tok/s':>13} {'vs first':>9}")
+        for r in rows:
+            print(f"{r['context']:>8} {r['prefill_s']:>10.3f} {r['decode_tokens_per_s']:>13.1f} "
+                  f"{r['decode_tokens_per_s'] / rows[0]['decode_tokens_per_s']:>9.2f}")
         return 0
-    try:
-        a = parse_args(argv)
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}.get(a["dtype"])
-        if dtype is None:
-            raise GenerateError(f"dtype={a['dtype']} is not float32|bfloat16|float64")
-        model, where = load_model(a["checkpoint"], dtype, a["device"])
-        if a["bench"]:
-            contexts = [int(x) for x in str(a["contexts"]).split(",") if x]
-            rows = bench(model, contexts, a["bench_tokens"], a["seed"])
-            print(f"{'context':>8} {'prefill s':>10} {'decode tok/s':>13} {'vs first':>9}")
-            for r in rows:
-                print(f"{r['context']:>8} {r['prefill_s']:>10.3f} {r['decode_tokens_per_s']:>13.1f} "
-                      f"{r['decode_tokens_per_s'] / rows[0]['decode_tokens_per_s']:>9.2f}")
-            return 0
-        tok = find_tokenizer(where, Path(a["checkpoint"]))
-        if (a["prompt"] is None) == (a["prompt_ids"] is None):
-            raise GenerateError("give exactly one of prompt=\"text\" or prompt_ids=\"1 2 3\"")
-        if a["prompt"] is not None:
-            if tok is None:
-                raise GenerateError(f"prompt= needs a tokenizer.model next to {where}; use prompt_ids= instead")
-            ids = tok.encode(a["prompt"])
-            if tok.bos_id is not None:
-                ids = [tok.bos_id] + ids
-        else:
+    tok = find_tokenizer(where, Path(a["checkpoint"]))
+    if (a["prompt"] is None) == (a["prompt_ids"] is None):
+        raise GenerateError("give exactly one of prompt=\"text\" or prompt_ids=\"1 2 3\"")
+    if a["prompt"] is not None:
+        if tok is None:
+            raise GenerateError(f"prompt= needs a tokenizer.model next to {where}; use prompt_ids= instead")
+        ids = tok.encode(a["prompt"])
+        bos = a["bos"] if a["bos"] is not None else trained_with_bos(where, Path(a["checkpoint"]))
+        if bos and tok.bos_id is not None:
+            ids = [tok.bos_id] + ids
+    else:
+        try:
             ids = [int(x) for x in a["prompt_ids"].replace(",", " ").split()]
-        V = model.config.vocab_size
-        if not ids or min(ids) < 0 or max(ids) >= V:
-            raise GenerateError(f"prompt token ids must be non-empty and in [0, {V}); got {len(ids)} ids")
-    except (GenerateError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        except ValueError:
+            raise GenerateError(f"prompt_ids must be integers separated by spaces, got {a['prompt_ids']!r}") from None
+    V = model.config.vocab_size
+    if not ids or min(ids) < 0 or max(ids) >= V:
+        raise GenerateError(f"prompt token ids must be non-empty and in [0, {V}); got {len(ids)} ids")
     sys.stdout.write(a["prompt"] if a["prompt"] is not None else a["prompt_ids"])
     eos = tok.eos_id if tok is not None and tok.eos_id is not None else model.config.eos_token_id
     r = timed_generate(model, ids, a["max_new_tokens"], callback=TextStream(tok), temperature=a["temperature"],
@@ -188,6 +175,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_tool(_main, argv, __doc__ or "")
+
+
 if __name__ == "__main__":
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     sys.exit(main())

@@ -4,7 +4,7 @@ Composes the same Hydra config as training (model, deepspeed, parallel, train gr
 assumptions under `plan.*` (nodes, gpus_per_node, gpu_memory_gb, cpu_memory_gb, peak_tflops, mfu, net_gbps,
 nvlink_gbps, a2a_overlap, dp_overlap, reserve_gb, attention, out, format) and prints a table (and JSON) of:
 parameters per GPU (dense vs expert shares), gradient and optimizer-state memory under the ZeRO stage and
-offload, activation memory of one micro-batch (training/activations.py), total vs GPU memory, FLOPs per token
+offload, activation memory of one micro-batch (training/tools/activation_memory.py), total vs GPU memory, FLOPs per token
 (training.metrics.flops, the trainer's MFU formula), all-to-all bytes per step per GPU, step time and tokens/s.
 Memory is in GB (1e9 bytes). Formulas and a worked K3 example: docs/planning.md.
 """
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from training.activations import activation_bytes, loss_backward_bytes
+from training.tools.activation_memory import activation_bytes, loss_backward_bytes
 from training.metrics.flops import flops_per_token
 from training.metrics.system import GPU_PEAK_BF16
 

@@ -1,4 +1,4 @@
-"""Offline run report: `python -m training.report <run_dir> [--out DIR] [--steps 100,500]`.
+"""Offline run report: `python -m training.report <run_dir> [out=DIR] [steps=100,500]`.
 
 Why: a run must be readable without W&B (air-gapped clusters, CI artefacts), even without torch (numpy and
 matplotlib only). Reads the run's own `metrics.jsonl` / `expert_load.jsonl` (written by RunLogger) and writes
@@ -7,7 +7,6 @@ time, and expert-load heatmaps (layers x experts) at chosen steps.
 """
 from __future__ import annotations
 
-import argparse
 import html
 import json
 import re
@@ -18,13 +17,12 @@ from typing import Any
 
 import matplotlib
 import matplotlib.ticker
+import numpy as np
+from matplotlib.figure import Figure  # object API: renders with Agg, sets no global backend
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-
-from training.metrics.router import bucket_experts  # noqa: E402
-from training.metrics.sinks import read_jsonl  # noqa: E402
+from training.metrics.router import bucket_experts
+from training.metrics.sinks import read_jsonl
+from training.tools.cli import parse_args, run_tool
 
 SCALARS = (("loss", "loss"), ("lr", "learning rate"), ("grad_norm", "gradient norm"),
            ("tokens_per_s", "tokens / s"), ("mfu", "MFU"))
@@ -50,10 +48,14 @@ def series(records: Sequence[dict[str, Any]], key: str) -> tuple[np.ndarray, np.
     return np.asarray(s, dtype=np.float64), np.asarray(v, dtype=np.float64)
 
 
+def _subplots(figsize: tuple[float, float]):
+    fig = Figure(figsize=figsize)
+    return fig, fig.add_subplot()
+
+
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
     return path
 
 
@@ -61,7 +63,7 @@ def plot_scalar(records, key: str, label: str, out: Path) -> Path | None:
     s, v = series(records, key)
     if not len(s):
         return None
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = _subplots((6, 3.5))
     ax.plot(s, v, lw=1.2)
     if key == "loss" and len(v) > 10:  # a smoothed trend on top of the raw curve
         w = max(2, len(v) // 20)
@@ -84,8 +86,8 @@ def plot_router(records, name: str, label: str, out: Path) -> Path | None:
     s_mean, v_mean = series(records, f"router/{name}")
     if not layers and not len(s_mean):
         return None
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    cmap = plt.get_cmap("viridis")
+    fig, ax = _subplots((6, 3.5))
+    cmap = matplotlib.colormaps["viridis"]
     for j, lid in enumerate(layers):
         s, v = series(records, f"router/layer{lid}/{name}")
         ax.plot(s, v, lw=0.8, alpha=0.7, color=cmap(j / max(1, len(layers) - 1)),
@@ -117,7 +119,7 @@ def plot_heatmap(rec: dict[str, Any], out: Path, max_columns: int = 256) -> Path
     ratio = np.divide(c_LB, mean, out=np.zeros_like(c_LB), where=mean > 0)
     img = np.log2(np.where(ratio > 0, ratio, np.nan))
     L, B = c_LB.shape
-    fig, ax = plt.subplots(figsize=(min(14, max(6, 3 + B / 16)), min(12, max(3, 1.5 + L / 6))))
+    fig, ax = _subplots((min(14, max(6, 3 + B / 16)), min(12, max(3, 1.5 + L / 6))))
     ax.set_facecolor("black")
     im = ax.imshow(img, aspect="auto", cmap="coolwarm", vmin=-2, vmax=2, interpolation="nearest")
     ids = rec.get("layer_ids") or list(range(L))
@@ -183,20 +185,17 @@ def build_report(run_dir: str | Path, out: str | Path | None = None,
     return {**{t: p for t, p in images}, "index": index}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m training.report", description=__doc__.splitlines()[0])
-    ap.add_argument("run_dir", help="run directory containing metrics.jsonl")
-    ap.add_argument("--out", default=None, help="output folder (default <run_dir>/report)")
-    ap.add_argument("--steps", default=None, help="comma-separated steps for expert-load heatmaps")
-    args = ap.parse_args(argv)
-    steps = [int(x) for x in args.steps.split(",") if x] if args.steps else None
-    try:
-        files = build_report(args.run_dir, args.out, steps)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+def _main(argv: list[str]) -> int:
+    a = parse_args(argv, {"run_dir": None, "out": None, "steps": None}, positional=("run_dir",),
+                   kinds={"run_dir": str, "out": str, "steps": str})
+    steps = [int(x) for x in a["steps"].split(",") if x] if a["steps"] else None
+    files = build_report(a["run_dir"], a["out"], steps)
     print(f"wrote {len(files) - 1} plots and {files['index']}")
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_tool(_main, argv, __doc__ or "")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,22 @@
+"""Checkpoints: crash-safe layout and save/load (`store`), untrusted-input loading (`safe_load`), and the resume
+policy (`resume`). Import order is one way: resume -> store -> safe_load."""
+from training.checkpoint.resume import find_latest, pick_resume, resolve_checkpoint, resume_dir
+from training.checkpoint.safe_load import CheckpointError, safe_torch_load, verify_checkpoint
+from training.checkpoint.store import (
+    EXPERT_FILES_GLOB,
+    SAVE_PHASES,
+    complete_tags,
+    has_expert_files,
+    is_complete,
+    load,
+    rng_state,
+    save,
+    set_rng_state,
+    tag_for,
+)
+
+__all__ = [
+    "CheckpointError", "EXPERT_FILES_GLOB", "SAVE_PHASES", "complete_tags", "find_latest", "has_expert_files",
+    "is_complete", "load", "pick_resume", "resolve_checkpoint", "resume_dir", "rng_state", "safe_torch_load",
+    "save", "set_rng_state", "tag_for", "verify_checkpoint",
+]

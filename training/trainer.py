@@ -1,0 +1,228 @@
+"""The trainer: build (process group, tokenizer, model, engine, loader, resume), one optimizer step, the loop.
+
+Everything around the loop (loss windows, throughput, router health, test-only fault injection) is a callback
+(training/callbacks/); parallelism is set up by training/expert_parallel.py and DeepSpeed (training/engine.py);
+checkpoints and the resume policy live in training/checkpoint/. One step, in order: the loader's micro-batches ->
+model forward/backward under the DeepSpeed engine -> engine.step -> the guard's skip decision -> the balancers
+(global routing statistics, training/balance.py) -> callbacks add to the log record -> logger -> checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from data import GlobalBatchLoader, prepare_tokenizer
+from model import K3Config, K3ForCausalLM, load_hf_checkpoint
+from training import balance, checkpoint
+from training.callbacks import CallbackList, default_callbacks, load_callback
+from training.checkpoint import safe_load
+from training.config import TrainConfigError, global_batch_rows, resolve_run_dir
+from training.distributed import DistStatsReducer, all_reduce_sum, barrier, init_distributed
+from training.engine import build_ds_config, initialize, param_groups
+from training.expert_parallel import setup_expert_parallel
+from training.guard import StepGuard, TooManyBadSteps
+from training.guard import install as install_guard
+from training.metrics import RunLogger, flops_per_token, peak_flops
+from training.step import StepResult, pack_microbatch
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    """Owns the engine, loader, logger, callbacks and the step counter; `run` is the whole job."""
+
+    def __init__(self, cfg: DictConfig, mcfg: K3Config) -> None:
+        self.cfg, self.mcfg = cfg, mcfg
+        self.info = init_distributed()
+        self.is_main = self.info.is_main
+        self.run_dir = resolve_run_dir(cfg)
+        self.ckpt_root = os.path.join(self.run_dir, "checkpoints")
+        t = cfg.train
+        self.ga, self.world = int(t.grad_accum), self.info.world_size
+        self.global_rows = global_batch_rows(cfg, self.world)
+        self.callbacks = CallbackList([*default_callbacks(), *(load_callback(p) for p in cfg.callbacks)])
+        seed_everything(int(t.seed))
+        self._write_run_files()
+        self.tokenizer = self._prepare_tokenizer()
+
+        # --- model (same seed on every rank), optional HF init, expert parallelism, engine ----------------------
+        torch.manual_seed(int(t.seed))
+        self.model = K3ForCausalLM(mcfg)
+        if cfg.model.init_from:
+            src = load_hf_checkpoint(cfg.model.init_from, dtype=torch.float32)
+            self.model.load_state_dict(src.state_dict(), strict=True)
+            del src
+        self.model.set_gradient_checkpointing(bool(t.activation_checkpointing))
+        groups = param_groups(self.model, float(cfg.schedule.weight_decay))
+        self.ep, self.reducer = None, DistStatsReducer()
+        resume_from = checkpoint.resume_dir(cfg.checkpoint.resume, self.ckpt_root, bool(cfg.checkpoint.fallback),
+                                            self.is_main)
+        if cfg.parallel.ep_size > 1 or (resume_from and checkpoint.has_expert_files(resume_from)):
+            self.ep = setup_expert_parallel(self.model, int(cfg.parallel.ep_size), int(cfg.deepspeed.zero_stage))
+            groups = self.ep.param_groups(self.model, groups)
+            self.reducer = self.ep.stats_reducer()
+        self.engine, self.optimizer, self.scheduler = initialize(cfg, self.model, self.ds_config, groups)
+        safe_load.install(self.engine)  # checkpoints are untrusted: never unpickle code
+        install_guard(self.engine)  # ZeRO-0: skip non-finite steps like the ZeRO optimizers do
+        self.guard = StepGuard(int(t.max_bad_steps))
+        self.device = self.engine.device
+        self.module = self.engine.module
+        self.moe_layers = self.module.moe_layers()
+        self.moe_layer_ids = [i for i in range(mcfg.num_hidden_layers) if mcfg.is_moe_layer(i)]
+
+        self.loader = GlobalBatchLoader(OmegaConf.to_object(cfg.data), self.tokenizer, int(t.seq_len),
+                                        self.global_rows, int(t.micro_batch_size), self.info.rank, self.world,
+                                        int(t.seed))
+        self.flops_per_token = flops_per_token(mcfg, int(t.seq_len), training=True)
+        self.peak = peak_flops()  # per device; on CPU the machine's measured fp32 matmul peak
+        self.step, self.tokens_seen, run_id = 0, 0, None
+        if resume_from is not None:
+            run_id = self._resume(resume_from)
+        self.start_step = self.step
+        self.resumed_from = resume_from
+        self.logger = RunLogger(self.run_dir, OmegaConf.to_container(cfg, resolve=True), mode=cfg.logging.mode,
+                                project=cfg.logging.project, run_id=run_id, total_steps=int(t.steps),
+                                is_main=self.is_main, heatmap_every=int(cfg.logging.heatmap_every),
+                                resume=resume_from is not None, start_step=self.step,
+                                progress=bool(cfg.logging.progress))
+
+    # --- build helpers ------------------------------------------------------------------------------------------
+    def _write_run_files(self) -> None:
+        """Rank 0: resolved config, the generated DeepSpeed JSON and the model config; everyone waits."""
+        self.ds_config = build_ds_config(self.cfg, self.world)
+        if self.is_main:
+            os.makedirs(self.run_dir, exist_ok=True)
+            OmegaConf.save(self.cfg, os.path.join(self.run_dir, "config.yaml"), resolve=True)
+            with open(os.path.join(self.run_dir, "ds_config.json"), "w", encoding="utf-8") as f:
+                json.dump(self.ds_config, f, indent=2, sort_keys=True)
+            self.mcfg.save(os.path.join(self.run_dir, "model"))
+
+    def _prepare_tokenizer(self):
+        """Rank 0 trains/caches the tokenizer first, the others then load the cached file."""
+        data_cfg = OmegaConf.to_object(self.cfg.data)
+        tok = prepare_tokenizer(data_cfg) if self.is_main else None
+        if tok is not None:
+            tok.save(self.run_dir)
+        barrier()
+        if tok is None:
+            tok = prepare_tokenizer(data_cfg)
+        if tok.vocab_size > self.mcfg.vocab_size:
+            raise TrainConfigError(f"tokenizer vocab {tok.vocab_size} > model.vocab_size {self.mcfg.vocab_size}; "
+                                   "raise model.vocab_size or use a smaller tokenizer")
+        return tok
+
+    def _resume(self, tag_dir: str) -> str | None:
+        """Restore engine, trainer counters, guard, data position and RNG; returns the W&B run id."""
+        state, rank_state = checkpoint.load(self.engine, tag_dir, self.info.rank, self.world,
+                                            ep_load=self.ep.load_checkpoint if self.ep else None)
+        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+        self.guard.load_state_dict(state)
+        if rank_state.get("data") is not None:
+            self.loader.load_state_dict(rank_state["data"])
+        if rank_state.get("rng") is not None:
+            checkpoint.set_rng_state(rank_state["rng"])
+        if self.is_main:
+            print(f"resumed from {tag_dir} at step {self.step}", flush=True)
+        return state.get("wandb_run_id")
+
+    # --- one optimizer step -------------------------------------------------------------------------------------
+    def train_step(self) -> StepResult:
+        mbs = [pack_microbatch(self.loader.next_microbatch()) for _ in range(self.ga)]
+        local = torch.tensor([sum(m.n_targets for m in mbs), sum(int(m.ids_1N.numel()) for m in mbs)],
+                             dtype=torch.float64)
+        n_global, tok_global = (int(x) for x in all_reduce_sum(local))
+        scale_base = self.world * self.ga / max(1, n_global)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        aux_sum = torch.zeros((), dtype=torch.float64)
+        routing = balance.StepRouting()
+        lr = float(self.scheduler.get_last_lr()[0]) if self.scheduler is not None else float(self.cfg.optim.lr)
+        for mb in mbs:
+            out = self.engine(mb.ids_1N.to(self.device), labels=mb.labels_1N.to(self.device),
+                              cu_seqlens=mb.cu_seqlens.to(self.device))
+            n = mb.n_targets
+            self.engine.backward(out.loss * (n * scale_base) if n > 0 else out.loss * 0.0)
+            self.engine.step()
+            aux = out.aux_loss.detach().double() if out.aux_loss is not None else None
+            loss_sum += (out.loss.detach().double() - (aux if aux is not None else 0.0)).cpu() * n
+            if aux is not None:
+                aux_sum += aux.cpu() / self.ga
+            routing.add(out.router_stats)
+        totals = all_reduce_sum(torch.stack([loss_sum, aux_sum]))
+        loss = float(totals[0]) / max(1, n_global)
+        skipped = self.guard.after_step(self.step + 1, self.engine.was_step_applied(), loss)
+        global_stats = routing.reduce_global(self.reducer)  # collective on every rank, skipped or not
+        extra = [] if skipped else balance.apply(self.moe_layers, global_stats)  # a bad step moves no bias
+        gn = self.engine.get_global_grad_norm()
+        return StepResult(loss=loss, lr=lr, grad_norm=float(gn) if gn is not None else float("nan"),
+                          tokens=tok_global, loss_tokens=n_global, skipped=skipped,
+                          aux_loss=float(totals[1]) / self.world if self.mcfg.moe_balance == "aux" else None,
+                          counts_LE=balance.counts_LE(global_stats), balance_extra=extra)
+
+    # --- checkpoints --------------------------------------------------------------------------------------------
+    def save(self) -> None:
+        state = {"step": self.step, "tokens_seen": self.tokens_seen, "wandb_run_id": self.logger.run_id,
+                 "world_size": self.world, "global_batch_rows": self.global_rows, **self.guard.state_dict()}
+
+        def extra(tag_dir: str) -> None:
+            self.mcfg.save(tag_dir)
+            self.tokenizer.save(tag_dir)
+
+        def on_phase(phase: str, step: int) -> None:
+            self.callbacks.on_checkpoint_phase(self, phase, step)
+
+        checkpoint.save(self.engine, self.ckpt_root, self.step, state,
+                        {"rng": checkpoint.rng_state(), "data": self.loader.state_dict()}, self.info.rank,
+                        int(self.cfg.checkpoint.keep_last), extra_files=extra,
+                        client_extra=self.ep.client_state() if self.ep else None, on_phase=on_phase)
+
+    def stop_bad_steps(self) -> None:
+        """Too many consecutive non-finite steps: checkpoint (weights of the last good step) and stop."""
+        self.save()
+        msg = self.guard.message(self.step, os.path.join(self.ckpt_root, checkpoint.tag_for(self.step)))
+        self.logger.close()
+        raise TooManyBadSteps(msg)
+
+    # --- the loop -----------------------------------------------------------------------------------------------
+    def is_log_step(self) -> bool:
+        return self.step % int(self.cfg.logging.every) == 0 or self.step == int(self.cfg.train.steps)
+
+    def run(self) -> dict[str, Any]:
+        cfg, steps = self.cfg, int(self.cfg.train.steps)
+        ck_every = int(cfg.checkpoint.every)
+        self.callbacks.on_train_start(self)
+        last: StepResult | None = None
+        while self.step < steps:
+            last = self.train_step()
+            self.step += 1
+            self.tokens_seen += last.tokens
+            self.callbacks.on_step(self, last)
+            if self.is_log_step():
+                record: dict[str, Any] = {"loss": last.loss, "lr": last.lr, "grad_norm": last.grad_norm,
+                                          "tokens": last.tokens, "loss_tokens": last.loss_tokens,
+                                          "skipped_steps": self.guard.skipped_steps}
+                if last.aux_loss is not None:
+                    record["aux_loss"] = last.aux_loss
+                self.callbacks.on_log(self, record)
+                self.logger.log(self.step, record)
+            self.callbacks.on_step_end(self)
+            if self.guard.exhausted:
+                self.stop_bad_steps()
+            if (ck_every and self.step % ck_every == 0) or (self.step == steps and cfg.checkpoint.save_final):
+                self.save()
+        summary: dict[str, Any] = {"steps": self.step, "final_loss": last.loss if last else None,
+                                   "tokens_seen": self.tokens_seen}
+        self.callbacks.on_train_end(self, summary)
+        self.logger.summary(summary)
+        self.logger.close()
+        self.loader.close()
+        return summary
