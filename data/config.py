@@ -158,6 +158,9 @@ def validate(cfg: DataConfig) -> None:
     need(t.type in TOKENIZER_TYPES, f"data.tokenizer.type={t.type!r} is not one of {TOKENIZER_TYPES}")
     need(t.model_type in ("bpe", "unigram"), f"data.tokenizer.model_type={t.model_type!r} must be bpe or unigram")
     need(t.vocab_size >= 64, f"data.tokenizer.vocab_size={t.vocab_size} is too small (>= 64)")
+    need(t.type != "tiktoken" or t.model_path or t.vocab_size >= 512,
+         f"data.tokenizer.vocab_size={t.vocab_size} is too small for a tiktoken tokenizer in the K3 layout (>= 512: "
+         f"256 bytes + 256 special tokens)")
     need(t.num_threads >= 1, f"data.tokenizer.num_threads={t.num_threads} must be >= 1")
 
 

@@ -89,9 +89,14 @@ class SentencePieceTokenizer(Tokenizer):
 
 
 def training_texts(cfg: DataConfig, max_items: int) -> Iterator[str]:
-    """Documents (text sources) or message contents (chat sources) of one epoch of every source, source i
-    contributing at most its weight share of `max_items`. Raises the source's own DataError (bad data) as is."""
+    """Documents of one epoch of every source, source i contributing at most its weight share of `max_items`.
+
+    A conversation (chat source) is its K3 rendering with the markers removed, so the format's own words
+    (`message`, ` role`, `response`) get merges too. Raises the source's own DataError (bad data) as is."""
+    from data.chat import K3Renderer
     from data.sources import SourceStream
+
+    k3 = K3Renderer()
 
     total_w = sum(s.weight for s in cfg.sources)
     for i, src in enumerate(cfg.sources):
@@ -102,10 +107,10 @@ def training_texts(cfg: DataConfig, max_items: int) -> Iterator[str]:
             if doc is None:
                 stream.check_usable()
                 break
-            texts = [m["content"] for m in doc] if isinstance(doc, list) else [doc]
-            for text in texts:
-                budget -= 1
-                yield text
+            if isinstance(doc, list):
+                doc = "".join("\n" if control else text for text, control, _ in k3.render(doc))
+            budget -= 1
+            yield doc
 
 
 def _training_lines(cfg: DataConfig) -> Iterator[str]:

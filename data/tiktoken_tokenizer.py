@@ -4,7 +4,8 @@ Directory layout read (and written by `save`), as the release ships it:
 - `tiktoken.model`: one `<base64 token bytes> <rank>` per line; ranks are the ids of the base vocabulary.
 - `tokenizer_config.json`: `added_tokens_decoder` {id: {"content": text, "special": true}}, `bos_token`,
   `eos_token`, `pad_token` (text or {"content": text}); optional `added_tokens.json` {text: id};
-  optional `chat_template.jinja` (or a `chat_template` string in the config).
+  optional `chat_template.jinja` (or a `chat_template` string in the config); in an HF checkpoint directory
+  `generation_config.json`'s `eos_token_id` (the release's stop token, 163586) names eos.
 The 256 ids after the base vocabulary are special tokens; unnamed ones are `<|reserved_token_<id>|>`
 (163,584 + 256 = 163,840 ids for the release: bos 163584, eos 163586, pad 163839).
 
@@ -76,6 +77,13 @@ def read_specials(directory: Path, num_base: int) -> tuple[dict[str, int], dict[
     top = max([num_base + NUM_RESERVED_SPECIAL_TOKENS - 1, *named])
     specials = {named.get(i, reserved_name(i)): i for i in range(num_base, top + 1)}
     roles = {k: _token_text(cfg.get(f"{k}_token")) for k in ("bos", "eos", "pad")}
+    gen_path = directory / "generation_config.json"  # an HF checkpoint's stop token is the run's eos
+    if gen_path.is_file():
+        eos = json.loads(gen_path.read_text(encoding="utf-8")).get("eos_token_id")
+        eos = eos[0] if isinstance(eos, list) and eos else eos
+        names = {i: t for t, i in specials.items()}
+        if isinstance(eos, int) and eos in names:
+            roles["eos"] = names[eos]
     template = None
     tpl = directory / "chat_template.jinja"
     if tpl.is_file():

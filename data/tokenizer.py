@@ -176,8 +176,12 @@ def main(argv: Optional[list[str]] = None) -> None:
 
             src = SourceConfig(type=a.source_type, path=a.source_path, format=a.source_format)
             tok = build_tiktoken_dir(a.out, a.vocab_size, DataConfig(sources=[src]), a.max_chars)
+            short = "" if tok.vocab_size == a.vocab_size else (
+                f"; the text supports only {tok.vocab_size - 512} of {a.vocab_size - 512} merges: raise --max-chars "
+                f"or use more text")
             print(f"wrote {a.out}: tiktoken.model + tokenizer_config.json + chat_template.jinja, vocab "
-                  f"{tok.vocab_size} (bos {tok.bos_id}, eos {tok.eos_id}, pad {tok.pad_id}), sha256 {tok.fingerprint}")
+                  f"{tok.vocab_size} (bos {tok.bos_id}, eos {tok.eos_id}, pad {tok.pad_id}), sha256 "
+                  f"{tok.fingerprint}{short}")
         else:
             tok = load_tokenizer(a.model)
             print(tok.encode(a.text, allowed_special="all" if a.allow_special else frozenset()))
