@@ -15,7 +15,7 @@ from typing import Iterable, Iterator, Optional, Sequence, Union
 
 import sentencepiece as spm
 
-from data.config import DataConfig, DataError, cache_dir, coerce_config, digest
+from data.config import DataConfig, DataError, cache_dir, coerce_config, digest, source_names
 from data.files import atomic_write
 from data.tokenizer import AllowedSpecial, Tokenizer
 
@@ -99,9 +99,10 @@ def training_texts(cfg: DataConfig, max_items: int) -> Iterator[str]:
     k3 = K3Renderer()
 
     total_w = sum(s.weight for s in cfg.sources)
+    names = source_names(cfg)
     for i, src in enumerate(cfg.sources):
         budget = int(max_items * src.weight / total_w)
-        stream = SourceStream(src, i, cfg.max_bad_fraction)
+        stream = SourceStream(src, i, cfg.max_bad_fraction, label=names[i])
         while budget > 0:
             doc = stream.next_doc()
             if doc is None:
