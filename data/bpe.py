@@ -16,8 +16,6 @@ from __future__ import annotations
 import heapq
 import json
 import os
-import shutil
-import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Iterable, Union
@@ -25,7 +23,7 @@ from typing import Iterable, Union
 import regex
 
 from data.config import DataConfig, DataError, cache_dir, coerce_config, digest
-from data.files import atomic_write
+from data.files import atomic_dir, atomic_write
 from data.k3_format import (BOS_TOKEN, EOS_TOKEN, K3_CHAT_TEMPLATE, K3_PAT_STR, NUM_RESERVED_SPECIAL_TOKENS,
                             PAD_TOKEN, special_tokens)
 from data.tiktoken_tokenizer import TiktokenTokenizer
@@ -132,16 +130,6 @@ def prepare_tiktoken(cfg: DataConfig) -> TiktokenTokenizer:
     key = digest([tokenizer_cache_key(cfg), "tiktoken", BUILDER_VERSION])
     final = cache_dir(cfg) / "tokenizers" / f"tiktoken{t.vocab_size}-{key}"
     if not (final / "tiktoken.model").is_file():
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=".tmp-tiktoken-"))
-        try:
+        with atomic_dir(final) as tmp:
             build_tiktoken_dir(tmp, t.vocab_size, cfg, max_chars=2_000_000)
-            os.chmod(tmp, 0o755)
-            try:
-                os.replace(tmp, final)  # atomic; another rank may have won the race (same bytes)
-            except OSError:
-                if not (final / "tiktoken.model").is_file():
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
     return TiktokenTokenizer.load(final / "tiktoken.model", t.num_threads)

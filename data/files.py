@@ -3,11 +3,13 @@
 Write to a temporary file in the target directory, fsync it, then `os.replace` it over the target (atomic on
 POSIX and Windows for paths on one filesystem). Readers see the old file or the new one, never a prefix: several
 ranks may build the same cached corpus or tokenizer at once and the last replace simply wins with equal bytes.
+`atomic_dir` does the same for a directory built in place (a cached tokenizer directory).
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import IO, Iterator, Union
@@ -38,3 +40,25 @@ def atomic_write(path: Union[str, os.PathLike], data: Union[bytes, str]) -> Path
     with atomic_open(path, "wb") as f:
         f.write(data.encode("utf-8") if isinstance(data, str) else data)
     return Path(path)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: Union[str, os.PathLike]) -> Iterator[Path]:
+    """Build a directory under a temporary sibling name; on a clean exit it is renamed to `path`.
+
+    The rename is atomic, so readers never see a half-written directory. If another process finished the same
+    directory first (a cache shared by ranks), its copy is kept and this one discarded."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".tmp-{out.name}-"))
+    try:
+        yield tmp
+        os.chmod(tmp, 0o755)
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            if not out.is_dir():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
