@@ -7,9 +7,11 @@ standard-library corpus, see `data/corpus.py`) and a BPE tokenizer trained on it
 from __future__ import annotations
 
 import dataclasses
+import glob
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -171,7 +173,9 @@ def source_names(cfg: DataConfig) -> list[str]:
         if s.name:
             out.append(s.name)
             continue
-        stem = "embedded" if s.type == "embedded" else Path(s.path.rstrip("/*")).name.split(".")[0] or f"s{i}"
+        parts = [p for p in Path(s.path).parts if not glob.has_magic(p) and p != "/"]  # a glob: its directory
+        stem = "embedded" if s.type == "embedded" else re.sub(r"[^A-Za-z0-9_-]", "_", (parts or [""])[-1].split(".")[0])
+        stem = stem or f"s{i}"
         out.append(stem if stem not in out else f"{stem}{i}")
     return out
 

@@ -79,8 +79,9 @@ class GlobalBatchLoader:
         idents = [source_identity(s, resolve_files(s, i)) for i, s in enumerate(self.cfg.sources)]
         fp = {"data": stream_dict(self.cfg), "sources": idents, "seq_len": self.seq_len, "seed": self.seed,
               "tokenizer": tokenizer.fingerprint}
-        if self.has_chat:  # labels of conversations depend on it (text rows never do)
-            fp["loss_on"] = loss_on
+        if self.has_chat:  # conversations' rows and labels depend on these (text rows never do)
+            fp["chat"] = {"loss_on": loss_on, "format": self.renderer.name,
+                          "template": digest(getattr(tokenizer, "chat_template", None) or "")}
         self.fingerprint = digest(fp)
         self._step, self._micro_done, self._ptr = 0, 0, None  # next micro-batch to hand out
         self._stats: dict = {}

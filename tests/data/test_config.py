@@ -48,3 +48,25 @@ def test_invalid_settings_are_one_line_errors_naming_the_key(kw, match):
 def test_unknown_key_is_an_error():
     with pytest.raises(DataError, match=r"unknown data config key\(s\) \['shufle'\]"):
         coerce_config({"shufle": 3})
+
+
+def test_source_names_are_metric_safe_unique_stems_and_explicit_duplicates_fail():
+    from data.config import source_names
+
+    srcs = [SourceConfig(type="jsonl", path="data/*.jsonl"), SourceConfig(type="hub", path="org/my.ds"),
+            SourceConfig(), SourceConfig(type="jsonl", path="a/b.jsonl"), SourceConfig(type="jsonl", path="c/b.jsonl")]
+    assert source_names(DataConfig(sources=srcs)) == ["data", "my", "embedded", "b", "b4"]
+    with pytest.raises(DataError, match="names .* are not unique"):
+        coerce_config(DataConfig(sources=[SourceConfig(name="x"), SourceConfig(name="x")]))
+
+
+def test_chat_format_needs_records_and_choices_are_checked():
+    with pytest.raises(DataError, match="format=chat needs records"):
+        coerce_config(DataConfig(sources=[SourceConfig(type="text", path="x.txt", format="chat")]))
+    for key, bad in (("long_conversations", "keep"),):
+        with pytest.raises(DataError, match=key):
+            coerce_config({key: bad})
+    with pytest.raises(DataError, match="data.tokenizer.type='bpe'"):
+        coerce_config({"tokenizer": {"type": "bpe"}})
+    with pytest.raises(DataError, match="too small for a tiktoken tokenizer"):
+        coerce_config({"tokenizer": {"type": "tiktoken", "vocab_size": 300}})
