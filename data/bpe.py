@@ -17,15 +17,23 @@ import heapq
 import json
 import os
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, Union
+from typing import Union
 
 import regex
 
 from data.config import DataConfig, DataError, cache_dir, coerce_config, digest
 from data.files import atomic_dir, atomic_write
-from data.k3_format import (BOS_TOKEN, EOS_TOKEN, K3_CHAT_TEMPLATE, K3_PAT_STR, NUM_RESERVED_SPECIAL_TOKENS,
-                            PAD_TOKEN, special_tokens)
+from data.k3_format import (
+    BOS_TOKEN,
+    EOS_TOKEN,
+    K3_CHAT_TEMPLATE,
+    K3_PAT_STR,
+    NUM_RESERVED_SPECIAL_TOKENS,
+    PAD_TOKEN,
+    special_tokens,
+)
 from data.tiktoken_tokenizer import TiktokenTokenizer
 
 BUILDER_VERSION = 1
@@ -118,7 +126,7 @@ def build_tiktoken_dir(out: Union[str, os.PathLike], vocab_size: int, cfg: DataC
     d = Path(out)
     d.mkdir(parents=True, exist_ok=True)
     main = tok.save(d)
-    atomic_write(d / "added_tokens.json", json.dumps({t: i for t, i in specials.items()}, indent=1))
+    atomic_write(d / "added_tokens.json", json.dumps(specials, indent=1))
     return TiktokenTokenizer.load(main, cfg.tokenizer.num_threads)
 
 

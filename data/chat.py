@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
 import numpy as np
 

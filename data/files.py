@@ -11,8 +11,9 @@ import contextlib
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Iterator, Union
+from typing import IO, Union
 
 
 @contextlib.contextmanager

@@ -59,8 +59,8 @@ def special_tokens(num_base: int) -> dict[str, int]:
 # add_generation_prompt; plus `thinking`, default false). Text messages only (system/user/assistant, optional
 # `name`; assistant `reasoning_content` in thinking mode). data/chat.py renders the same text natively as
 # segments; tests/data check the two agree.
-K3_CHAT_TEMPLATE = r"""{#- Kimi K3 conversation format (text messages), written for k3-train from the public description of
-    the release's encoding_k3.py. -#}
+K3_CHAT_TEMPLATE = r"""{#- Kimi K3 conversation format (text messages), written for k3-train from the public
+    description of the release's encoding_k3.py. -#}
 {%- macro attr(key, value) -%}
 {{- ' ' ~ key ~ '="' ~ (value | string | replace('&', '&amp;') | replace('"', '&quot;')) ~ '"' -}}
 {%- endmacro -%}
@@ -82,6 +82,7 @@ K3_CHAT_TEMPLATE = r"""{#- Kimi K3 conversation format (text messages), written 
 {{- '<|close|>message<|sep|><|end_of_msg|>' -}}
 {%- endfor -%}
 {%- if add_generation_prompt -%}
-{{- '<|open|>message' ~ attr('role', 'assistant') ~ '<|sep|>' ~ ('<|open|>think<|sep|>' if think else '<|open|>response<|sep|>') -}}
+{{- '<|open|>message' ~ attr('role', 'assistant') ~ '<|sep|>' -}}
+{{- '<|open|>think<|sep|>' if think else '<|open|>response<|sep|>' -}}
 {%- endif -%}
 """

@@ -23,10 +23,12 @@ the identical layout; otherwise load_state_dict raises.
 """
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Optional
 
 from data.config import LOSS_ON, DataConfig, DataError, coerce_config, digest, stream_dict
 from data.mixing import DocumentMixer, ShuffledWindows
@@ -191,7 +193,7 @@ class GlobalBatchLoader:
         self._rank_tokens += item.batch["num_tokens"]
         return {**item.batch, "step": item.step, "micro": item.micro}
 
-    def __iter__(self) -> "GlobalBatchLoader":
+    def __iter__(self) -> GlobalBatchLoader:
         return self
 
     def __next__(self) -> dict:
@@ -238,15 +240,11 @@ class GlobalBatchLoader:
         if self._thread is not None:
             self._stop.set()
             while self._thread.is_alive():
-                try:
+                with contextlib.suppress(queue.Empty):
                     self._queue.get(timeout=0.05)
-                except queue.Empty:
-                    pass
             self._thread.join()
         self._thread, self._queue, self._gen = None, None, None
 
     def __del__(self):
-        try:
+        with contextlib.suppress(Exception):  # interpreter shutdown
             self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass

@@ -67,7 +67,7 @@ class Packer:
         self.j = 0  # document index in the window
         self.o = 0  # token offset in that document
         self.ended = False
-        self.counters = {k: 0 for k in _COUNTERS}
+        self.counters = dict.fromkeys(_COUNTERS, 0)
         self._dropped_in_a_row = 0
 
     # -- position -----------------------------------------------------------------------------------------------

@@ -3,20 +3,23 @@
 One `SourceStream` per configured source yields valid documents for one epoch at a time: a str (format text), or
 for format chat the validated conversation (list of messages), rendered into segments when a chat renderer is
 given (data/chat.py). Its exact position is a small JSON-able dict (`state_dict()`: epoch, the IterableDataset's
-own `state_dict()`, counters), taken and restored between records. JSON Lines and plain text are read through datasets' `text` builder as latin-1 (every
-byte sequence decodes, lines split on b"\\n" only) and re-decoded as UTF-8 here, so one malformed line, one invalid
-UTF-8 byte or one missing field is skipped and counted instead of aborting the whole file. Each skip kind is
-reported once per source on stderr (one line, counts in `loader.stats()` as `<name>/skipped_<kind>`).
+own `state_dict()`, counters), taken and restored between records. JSON Lines and plain text are read through
+datasets' `text` builder as latin-1 (every byte sequence decodes, lines split on b"\\n" only) and re-decoded as
+UTF-8 here, so one malformed line, one invalid UTF-8 byte or one missing field is skipped and counted instead of
+aborting the whole file. Each skip kind is reported once per source on stderr (one line, counts in
+`loader.stats()` as `<name>/skipped_<kind>`).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import glob
 import json
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 from data.chat import CHAT_SKIP_REASONS, ChatRowError, normalize_messages
 from data.config import DataError, SourceConfig, file_digest
@@ -85,7 +88,7 @@ class SourceStream:
         self.read = 0  # records read in this epoch (valid + skipped)
         self.valid = 0  # valid documents in this epoch
         self.total_read = 0
-        self.skipped = {r: 0 for r in self.reasons}
+        self.skipped = dict.fromkeys(self.reasons, 0)
         self._ds = None
         self._it: Optional[Iterator[dict]] = None
         self._ds_state: Optional[dict] = None  # position to resume from before the first next()
@@ -143,10 +146,8 @@ class SourceStream:
         """Close the datasets generator now (not at interpreter exit, where its cleanup would print noise)."""
         it, self._it = self._it, None
         if it is not None and hasattr(it, "close"):
-            try:
+            with contextlib.suppress(Exception):  # closing is best effort
                 it.close()
-            except Exception:  # noqa: BLE001 - closing is best effort
-                pass
 
     def _start(self) -> None:
         self._ds = self._open()
@@ -154,8 +155,9 @@ class SourceStream:
             self._ds.load_state_dict(self._ds_state)
         self._it = iter(self._ds)
 
-    def next_doc(self) -> Optional[str]:
-        """The next valid document of the current epoch, or None at the end of the epoch (then `new_epoch()`)."""
+    def next_doc(self) -> Any:
+        """The next valid document of the current epoch (str, or a conversation for format chat), or None at the
+        end of the epoch (then `new_epoch()`)."""
         if self._it is None:
             self._start()
         for record in self._it:

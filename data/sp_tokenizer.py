@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Sequence, Union
+from typing import Optional, Union
 
 import sentencepiece as spm
 
@@ -38,7 +39,7 @@ class SentencePieceTokenizer(Tokenizer):
         self.chat_template = tpl.read_text(encoding="utf-8") if tpl is not None and tpl.is_file() else None
 
     @classmethod
-    def load(cls, path: Union[str, os.PathLike], num_threads: int = 1) -> "SentencePieceTokenizer":
+    def load(cls, path: Union[str, os.PathLike], num_threads: int = 1) -> SentencePieceTokenizer:
         p = Path(path).expanduser()
         if p.is_dir():
             p = p / "tokenizer.model"

@@ -19,15 +19,15 @@ import base64
 import hashlib
 import json
 import os
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Optional, Union
 
 import tiktoken
 
 from data.config import DataError
 from data.files import atomic_write
-from data.k3_format import (BOS_TOKEN, EOS_TOKEN, K3_PAT_STR, NUM_RESERVED_SPECIAL_TOKENS, PAD_TOKEN,
-                            reserved_name)
+from data.k3_format import BOS_TOKEN, EOS_TOKEN, K3_PAT_STR, NUM_RESERVED_SPECIAL_TOKENS, PAD_TOKEN, reserved_name
 from data.tokenizer import AllowedSpecial, Tokenizer
 
 
@@ -118,7 +118,7 @@ class TiktokenTokenizer(Tokenizer):
         self.fingerprint = h.hexdigest()[:16]
 
     @classmethod
-    def load(cls, path: Union[str, os.PathLike], num_threads: int = 1) -> "TiktokenTokenizer":
+    def load(cls, path: Union[str, os.PathLike], num_threads: int = 1) -> TiktokenTokenizer:
         p = Path(path).expanduser()
         main = p / "tiktoken.model" if p.is_dir() else p
         if not main.is_file():

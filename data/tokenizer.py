@@ -19,8 +19,10 @@ from __future__ import annotations
 import abc
 import argparse
 import os
+from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from pathlib import Path
-from typing import AbstractSet, Iterable, Literal, Optional, Sequence, Union
+from typing import Literal, Optional, Union
 
 from data.config import DataConfig, DataError, SourceConfig, coerce_config
 
@@ -76,7 +78,7 @@ class Tokenizer(abc.ABC):
         return self.special_tokens.get(token)
 
     @staticmethod
-    def load(path: Union[str, os.PathLike], num_threads: int = 1, kind: str = "auto") -> "Tokenizer":
+    def load(path: Union[str, os.PathLike], num_threads: int = 1, kind: str = "auto") -> Tokenizer:
         """Load a tokenizer file or directory; `kind` auto detects it from the file names."""
         return load_tokenizer(path, num_threads, kind)
 

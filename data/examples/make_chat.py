@@ -15,8 +15,11 @@ from pathlib import Path
 
 from data.files import atomic_write
 
-WORDS = ("apple river stone cloud garden window copper violet lantern harbor pencil meadow rocket "
-         "silver thunder basket candle forest marble orange planet shadow spring tiger velvet winter").split()
+WORDS = (
+    "apple", "river", "stone", "cloud", "garden", "window", "copper", "violet", "lantern", "harbor", "pencil",
+    "meadow", "rocket", "silver", "thunder", "basket", "candle", "forest", "marble", "orange", "planet",
+    "shadow", "spring", "tiger", "velvet", "winter",
+)
 COLOURS = {"red": "rouge", "blue": "bleu", "green": "vert", "black": "noir", "white": "blanc", "yellow": "jaune"}
 SYSTEMS = ("You are a concise assistant.", "Answer in one short sentence.", "You are a helpful tutor.")
 GREETINGS = (("Hello!", "Hello! How can I help you today?"), ("Hi there.", "Hi! What would you like to do?"))

@@ -9,9 +9,11 @@ import pytest
 
 from data import DataConfig, SourceConfig, train_tokenizer
 
-WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
-         "upsilon phi chi psi omega def return class import self value index tokens batch "
-         "état naïve 数据 🙂").split()
+WORDS = (
+    "alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu", "nu",
+    "xi", "omicron", "pi", "rho", "sigma", "tau", "upsilon", "phi", "chi", "psi", "omega", "def", "return",
+    "class", "import", "self", "value", "index", "tokens", "batch", "état", "naïve", "数据", "🙂",
+)
 
 
 def make_docs(n: int, seed: int, prefix: str = "d", max_words: int = 60) -> list[str]:

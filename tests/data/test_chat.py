@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 from data import DataError
-from data.chat import (ChatRowError, K3Renderer, TemplateRenderer, encode_conversations, normalize_messages,
-                       renderer_for)
+from data.chat import ChatRowError, K3Renderer, TemplateRenderer, encode_conversations, normalize_messages, renderer_for
 from data.k3_format import K3_CHAT_TEMPLATE, MARKERS
 
 PIECES = ["hello", "数据", " 🙂", "  spaced  ", "\n\n", "a \"quote\" & amp", "<|open|>", "<|end_of_msg|>", "x=1;"]

@@ -69,7 +69,7 @@ def test_conversations_never_straddle_rows(chat_file, corpus_dir, tik):
     cfg = chat_cfg(chat_file, corpus_dir, only_chat=True, long_conversations="drop")  # no cut conversation
     eom = tik.token_to_id("<|end_of_msg|>")
     for b in take(GlobalBatchLoader(cfg, tik, T, 4, 4), 3):
-        for row, lab in zip(b["input_ids"], b["labels"]):
+        for row in b["input_ids"]:
             valid = row[row != tik.pad_id]
             assert valid[0] == tik.token_to_id("<|open|>") and valid[-1] == eom  # whole conversations only
 

@@ -17,10 +17,9 @@ def test_atomic_write_replaces_the_content_and_leaves_no_temporary(tmp_path):
 def test_a_failure_mid_write_keeps_the_old_file(tmp_path):
     p = tmp_path / "f.txt"
     atomic_write(p, "old")
-    with pytest.raises(RuntimeError):
-        with atomic_open(p, "w") as f:
-            f.write("half of the new")
-            raise RuntimeError("crash")
+    with pytest.raises(RuntimeError), atomic_open(p, "w") as f:
+        f.write("half of the new")
+        raise RuntimeError("crash")
     assert p.read_text() == "old" and [x.name for x in tmp_path.iterdir()] == ["f.txt"]
 
 

@@ -230,7 +230,8 @@ def test_stats_count_tokens_documents_and_skipped_records_and_survive_resume(h, 
     assert st["skipped"]["malformed_json"] >= 1 and st["records_read"] >= 17
     assert st["tokens"] == st["rows"] * T == 8 * (st["step"] + 1) * T and st["packing_efficiency"] == 1.0
     assert st["rank_tokens"] == 12 * 2 * T and st["documents"] > 0
-    state, expected_next = loader.state_dict(), take(loader, 4)
+    state = loader.state_dict()
+    take(loader, 4)
     expected_stats = loader.stats()
     loader.close()
     restored = make(cfg, small_tokenizer)
