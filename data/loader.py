@@ -34,7 +34,7 @@ from data.config import LOSS_ON, DataConfig, DataError, coerce_config, digest, s
 from data.mixing import DocumentMixer, ShuffledWindows
 from data.packing import Packer, collate
 from data.sources import resolve_files, source_identity
-from data.tokenizer import Tokenizer
+from data.tokenizer_base import Tokenizer
 
 STATE_VERSION = 1
 

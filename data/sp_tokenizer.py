@@ -18,7 +18,7 @@ import sentencepiece as spm
 
 from data.config import DataConfig, DataError, cache_dir, coerce_config, digest, source_names
 from data.files import atomic_write
-from data.tokenizer import AllowedSpecial, Tokenizer
+from data.tokenizer_base import KINDS, AllowedSpecial, Tokenizer
 
 _MAX_LINE_CHARS = 4096  # sentencepiece drops longer training sentences; longer lines are cut into pieces
 
@@ -166,6 +166,9 @@ def train_sentencepiece(cfg: DataConfig, out_path: Union[str, os.PathLike]) -> S
         raise failure[0]
     atomic_write(out, proto.data)
     return SentencePieceTokenizer(proto.data, str(out), t.num_threads)
+
+
+KINDS["sentencepiece"] = SentencePieceTokenizer
 
 
 class _ProtoWriter:

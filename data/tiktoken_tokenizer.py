@@ -28,7 +28,7 @@ import tiktoken
 from data.config import DataError
 from data.files import atomic_write
 from data.k3_format import BOS_TOKEN, EOS_TOKEN, K3_PAT_STR, NUM_RESERVED_SPECIAL_TOKENS, PAD_TOKEN, reserved_name
-from data.tokenizer import AllowedSpecial, Tokenizer
+from data.tokenizer_base import KINDS, AllowedSpecial, Tokenizer
 
 
 def read_ranks(path: Union[str, os.PathLike]) -> dict[bytes, int]:
@@ -187,3 +187,6 @@ class TiktokenTokenizer(Tokenizer):
         if self.chat_template is not None:
             atomic_write(d / "chat_template.jinja", self.chat_template)
         return out
+
+
+KINDS["tiktoken"] = TiktokenTokenizer

@@ -1,8 +1,8 @@
 """One tokenizer interface over two kinds: sentencepiece (trained here) and tiktoken (the Kimi K3 release).
 
-`Tokenizer` is the interface every part of data/ (and the trainer) uses: `encode`/`encode_batch`/`decode`,
-`vocab_size`, `bos_id`/`eos_id`/`pad_id`, `special_tokens`/`token_to_id`, `save(dir)`, `fingerprint`,
-`chat_template` and `Tokenizer.load(dir_or_file)`, which detects the kind from the files (`tokenizer.model` ->
+`Tokenizer` (data/tokenizer_base.py) is the interface every part of data/ (and the trainer) uses: `encode`,
+`encode_batch`, `decode`, `vocab_size`, `bos_id`/`eos_id`/`pad_id`, `special_tokens`/`token_to_id`, `save(dir)`,
+`fingerprint`, `chat_template` and `Tokenizer.load(dir_or_file)`, which detects the kind from the files (`tokenizer.model` ->
 sentencepiece, `tiktoken.model` -> tiktoken). `prepare_tokenizer(cfg)` loads `data.tokenizer.model_path` or
 trains (once, cached by content hash) the configured kind; `load_tokenizer(dir)` brings a checkpoint's own.
 
@@ -16,91 +16,17 @@ the K3 release layout); `python -m data.tokenizer encode --model <file|dir> TEXT
 """
 from __future__ import annotations
 
-import abc
 import argparse
 import os
-from collections.abc import Iterable, Sequence
-from collections.abc import Set as AbstractSet
-from pathlib import Path
-from typing import Literal, Optional, Union
+from typing import Optional, Union
 
 from data.config import DataConfig, DataError, SourceConfig, coerce_config
+from data.sp_tokenizer import SentencePieceTokenizer, prepare_sentencepiece, train_sentencepiece
+from data.tiktoken_tokenizer import TiktokenTokenizer
+from data.tokenizer_base import AllowedSpecial, Tokenizer, detect_kind
 
-AllowedSpecial = Union[Literal["all"], AbstractSet[str]]
-
-
-class Tokenizer(abc.ABC):
-    """The interface; `Tokenizer.load(path)` returns the right kind for the files at `path`."""
-
-    kind: str  # "sentencepiece" | "tiktoken"
-    fingerprint: str  # short sha256 of everything that decides the ids
-    path: Optional[str]  # the main file this tokenizer was loaded from, if any
-    chat_template: Optional[str] = None  # a jinja chat template shipped beside the tokenizer, if any
-
-    @property
-    @abc.abstractmethod
-    def vocab_size(self) -> int: ...
-
-    @property
-    @abc.abstractmethod
-    def bos_id(self) -> Optional[int]: ...
-
-    @property
-    @abc.abstractmethod
-    def eos_id(self) -> Optional[int]: ...
-
-    @property
-    @abc.abstractmethod
-    def pad_id(self) -> Optional[int]: ...
-
-    @property
-    @abc.abstractmethod
-    def special_tokens(self) -> dict[str, int]:
-        """Control/special token text -> id."""
-
-    @abc.abstractmethod
-    def encode(self, text: str, allowed_special: AllowedSpecial = frozenset()) -> list[int]:
-        """Ids of `text`; special-token text is plain text unless named in `allowed_special` (or "all")."""
-
-    @abc.abstractmethod
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """`encode` of each text (plain text only), batched for speed."""
-
-    @abc.abstractmethod
-    def decode(self, ids: Iterable[int]) -> str: ...
-
-    @abc.abstractmethod
-    def save(self, directory: Union[str, os.PathLike]) -> Path:
-        """Write the tokenizer's files into `directory`; returns the main file (loadable by `Tokenizer.load`)."""
-
-    def token_to_id(self, token: str) -> Optional[int]:
-        """Id of a special token by its text, None if this tokenizer has no such special token."""
-        return self.special_tokens.get(token)
-
-    @staticmethod
-    def load(path: Union[str, os.PathLike], num_threads: int = 1, kind: str = "auto") -> Tokenizer:
-        """Load a tokenizer file or directory; `kind` auto detects it from the file names."""
-        return load_tokenizer(path, num_threads, kind)
-
-
-def detect_kind(path: Union[str, os.PathLike]) -> tuple[str, Path]:
-    """(kind, main file) for a tokenizer file or a directory holding `tokenizer.model` / `tiktoken.model`."""
-    p = Path(path).expanduser()
-    if p.is_dir():
-        for name, kind in (("tiktoken.model", "tiktoken"), ("tokenizer.model", "sentencepiece")):
-            if (p / name).is_file():
-                return kind, p / name
-        raise DataError(f"{str(path)!r} holds no tokenizer.model (sentencepiece) or tiktoken.model (tiktoken): "
-                        f"point data.tokenizer.model_path at a tokenizer file or directory")
-    if not p.is_file():
-        raise DataError(f"tokenizer {str(path)!r} not found: set data.tokenizer.model_path to a tokenizer file or "
-                        f"directory")
-    if p.name == "tiktoken.model":
-        return "tiktoken", p
-    with open(p, "rb") as f:
-        head = f.read(64)
-    looks_tiktoken = bool(head) and all(c < 128 for c in head) and b" " in head.split(b"\n")[0]
-    return ("tiktoken" if looks_tiktoken else "sentencepiece"), p
+__all__ = ["AllowedSpecial", "SentencePieceTokenizer", "TiktokenTokenizer", "Tokenizer", "detect_kind",
+           "load_tokenizer", "prepare_tokenizer", "train_tokenizer"]
 
 
 def load_tokenizer(path: Union[str, os.PathLike], num_threads: int = 1, kind: str = "auto") -> Tokenizer:
@@ -108,23 +34,11 @@ def load_tokenizer(path: Union[str, os.PathLike], num_threads: int = 1, kind: st
 
     This is what `model.init_from=<dir>` uses: the checkpoint's own tokenizer, never a newly trained one.
     """
-    found, main = detect_kind(path)
-    if kind not in ("auto", found):
-        raise DataError(f"data.tokenizer.type={kind} but {str(path)!r} holds a {found} tokenizer: set "
-                        f"data.tokenizer.type={found} (or auto)")
-    if found == "tiktoken":
-        from data.tiktoken_tokenizer import TiktokenTokenizer
-
-        return TiktokenTokenizer.load(main, num_threads)
-    from data.sp_tokenizer import SentencePieceTokenizer
-
-    return SentencePieceTokenizer.load(main, num_threads)
+    return Tokenizer.load(path, num_threads, kind)
 
 
 def train_tokenizer(cfg: DataConfig, out_path: Union[str, os.PathLike]) -> Tokenizer:
     """Train a sentencepiece model on the configured sources (see data/sp_tokenizer.py)."""
-    from data.sp_tokenizer import train_sentencepiece
-
     return train_sentencepiece(cfg, out_path)
 
 
@@ -138,8 +52,6 @@ def prepare_tokenizer(cfg) -> Tokenizer:
         from data.bpe import prepare_tiktoken
 
         return prepare_tiktoken(cfg)
-    from data.sp_tokenizer import prepare_sentencepiece
-
     return prepare_sentencepiece(cfg)
 
 
