@@ -3,8 +3,9 @@
 `Tokenizer` (data/tokenizer_base.py) is the interface every part of data/ (and the trainer) uses: `encode`,
 `encode_batch`, `decode`, `vocab_size`, `bos_id`/`eos_id`/`pad_id`, `special_tokens`/`token_to_id`, `save(dir)`,
 `fingerprint`, `chat_template` and `Tokenizer.load(dir_or_file)`, which detects the kind from the files
-(`tokenizer.model` -> sentencepiece, `tiktoken.model` -> tiktoken). `prepare_tokenizer(cfg)` loads `data.tokenizer.model_path` or
-trains (once, cached by content hash) the configured kind; `load_tokenizer(dir)` brings a checkpoint's own.
+(`tokenizer.model` -> sentencepiece, `tiktoken.model` -> tiktoken). `prepare_tokenizer(cfg)` loads
+`data.tokenizer.model_path` or trains (once, cached by content hash) the configured kind; `load_tokenizer(dir)`
+brings a checkpoint's own.
 
 Special-token text inside ordinary text (`encode(text)`) is plain text for tiktoken; control tokens are passed
 to it by name (`allowed_special`) or looked up with `token_to_id`, which is how data/chat.py keeps user text from
