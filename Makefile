@@ -10,7 +10,9 @@ $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	# compat editable mode: the repo root goes on sys.path (a .pth file), so `python -m training.<tool>` run from a
+	# directory with its own data/ or model/ folder still imports this project's packages, not that folder
+	$(BIN)/python -m pip install -q -e ".[dev]" --config-settings editable_mode=compat
 	touch $@
 
 venv: $(BIN)/.installed

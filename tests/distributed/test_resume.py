@@ -48,3 +48,22 @@ def test_resumed_run_continues_the_same_wandb_run(killed_then_resumed):
     assert state["wandb_run_id"] and (resumed.run_dir / "wandb_run_id").read_text().strip() == state["wandb_run_id"]
     dirs = list((resumed.run_dir / "wandb").glob("offline-run-*"))
     assert len(dirs) == 2 and all(d.name.endswith(state["wandb_run_id"]) for d in dirs)  # two processes, one run
+
+
+def test_resumed_wandb_segment_continues_the_step_counter(killed_then_resumed, tmp_path):
+    from training.metrics.sinks import read_wandb_offline_history
+
+    _, resumed = killed_then_resumed
+    newest = sorted((resumed.run_dir / "wandb").glob("offline-run-*"))[-1]
+    (tmp_path / "wandb").mkdir()
+    (tmp_path / "wandb" / newest.name).symlink_to(newest)
+    rows = [r for r in read_wandb_offline_history(tmp_path) if "loss" in r]
+    assert [r["_step"] for r in rows] == [r["step"] for r in rows] == [4, 5, 6]
+
+
+def test_resumed_summary_counts_only_this_sessions_tokens(killed_then_resumed):
+    _, resumed = killed_then_resumed
+    summary = json.loads((resumed.run_dir / "summary.json").read_text())
+    per_step = summary["tokens_seen"] // REF_STEPS
+    assert summary["session_tokens"] == (REF_STEPS - 3) * per_step  # resumed at step 3
+    assert summary["tokens_per_s"] == pytest.approx(summary["session_tokens"] / summary["elapsed_s"], rel=1e-6)

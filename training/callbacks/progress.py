@@ -67,7 +67,7 @@ class Throughput(Callback):
 
     def on_train_end(self, trainer: Trainer, summary: dict[str, Any]) -> None:
         elapsed = time.time() - self.t_start
-        summary.update(elapsed_s=elapsed, time_to_first_step_s=self.first_step_s,
+        summary.update(elapsed_s=elapsed, time_to_first_step_s=self.first_step_s, session_tokens=self.session_tokens,
                        tokens_per_s=self.session_tokens / max(1e-9, elapsed))
 
 

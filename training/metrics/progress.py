@@ -30,7 +30,7 @@ class Progress:
     """A tqdm bar over [start_step, total_steps] (interactive) or one line per update (otherwise)."""
 
     def __init__(self, total_steps: int, start_step: int = 0, enabled: bool = True, stream: TextIO | None = None,
-                 min_interval_s: float = 10.0) -> None:
+                 min_interval_s: float = 0.0) -> None:
         self.stream = stream or sys.stderr
         self.total, self.start = total_steps, start_step
         self.enabled = enabled

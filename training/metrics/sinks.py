@@ -98,8 +98,9 @@ def heatmap_rgb(counts_LE: Any, max_columns: int = 128, scale: int = 4) -> np.nd
 class WandbSink:
     """A W&B run in `mode` offline|online; files under run_dir/wandb; resumable by id.
 
-    `step` is logged as an ordinary metric and used as the x-axis (define_metric), so a resumed run that
-    re-logs steps after its last checkpoint is not dropped by W&B's monotonic internal step.
+    Every row is logged at W&B step = the optimizer step (and `step` is also an ordinary metric used as the
+    x-axis), so a resumed run continues the same run id and the same step counter, offline too; W&B keeps the
+    first value of a step that a resumed run logs again after its last checkpoint.
     """
 
     def __init__(self, run_dir: str | os.PathLike, config: Mapping[str, Any], mode: str, project: str,
@@ -131,11 +132,11 @@ class WandbSink:
         self.run_id = self.run.id
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
-        self.run.log({**{k: v for k, v in to_jsonable(metrics).items() if v is not None}, "step": step})
+        self.run.log({**{k: v for k, v in to_jsonable(metrics).items() if v is not None}, "step": step}, step=step)
 
     def log_heatmap(self, step: int, counts_LE: Any, caption: str) -> None:
         img = self._wandb.Image(heatmap_rgb(counts_LE), caption=caption)
-        self.run.log({"router/expert_load_heatmap": img, "step": step})
+        self.run.log({"router/expert_load_heatmap": img, "step": step}, step=step)
 
     def summary(self, values: Mapping[str, Any]) -> None:
         for k, v in to_jsonable(values).items():

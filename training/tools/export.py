@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import glob
 import os
-import shutil
 import sys
 
 import torch
 
+from data import DataError, load_tokenizer
 from model import K3Config, K3ForCausalLM, save_hf_checkpoint
 from training.checkpoint import has_expert_files, resolve_checkpoint, verify_checkpoint
 from training.tools.cli import parse_args, run_tool
@@ -54,9 +54,10 @@ def export_checkpoint(path: str, out_dir: str) -> str:
     """Write config.json + safetensors (+ tokenizer) for the checkpoint at `path`; returns out_dir."""
     model, tag_dir = load_checkpoint_model(path)
     save_hf_checkpoint(model, out_dir)
-    for f in os.listdir(tag_dir):
-        if f.startswith("tokenizer"):
-            shutil.copy2(os.path.join(tag_dir, f), os.path.join(out_dir, f))
+    try:  # the tokenizer saved with the checkpoint travels along, whatever its kind
+        load_tokenizer(tag_dir).save(out_dir)
+    except DataError:
+        pass  # a checkpoint without a tokenizer (e.g. written by a library user): weights only
     return out_dir
 
 

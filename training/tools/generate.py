@@ -3,7 +3,7 @@
 The project's one generation CLI (model/generate.py holds the maths). `checkpoint` (or the first positional
 argument) is an HF export (config.json + safetensors, e.g. from `python -m training.export`) or a training
 checkpoint (a run dir, its checkpoints/ dir or one step_* dir; the newest complete one is consolidated from any
-ZeRO stage). The tokenizer is the `tokenizer.model` saved next to it. Keys: prompt, prompt_ids ("1 2 3"),
+ZeRO stage). The tokenizer (sentencepiece or tiktoken) is the one saved next to it. Keys: prompt, prompt_ids ("1 2 3"),
 max_new_tokens (64), temperature (0 = greedy), top_k, top_p, seed (0), dtype (float32|bfloat16|float64),
 device (cpu), bos (null: prepend BOS exactly when the run trained with data.add_bos, read from the run's
 config.yaml; true/false to force), bench (false), contexts ("100,4000"), bench_tokens (32).
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from data import Tokenizer
+from data import DataError, Tokenizer, load_tokenizer
 from model import load_hf_checkpoint
 from model.generate import generate
 from training.tools.cli import ToolError, parse_args, run_tool
@@ -72,12 +72,14 @@ def load_model(checkpoint: str, dtype: torch.dtype = torch.float32, device: str 
     return model.to(device=device, dtype=dtype).eval(), Path(tag_dir)
 
 
-def find_tokenizer(*dirs: Path):
-    """data.Tokenizer from the first `tokenizer.model` in dirs (checkpoint dir, then its run dir), else None."""
+def find_tokenizer(*dirs: Path) -> Tokenizer | None:
+    """The tokenizer (either kind) saved in the first of dirs, or their parents (checkpoint dir, run dir)."""
     for d in dirs:
         for cand in (d, d.parent, d.parent.parent):
-            if (cand / "tokenizer.model").is_file():
-                return Tokenizer.load(cand / "tokenizer.model")
+            try:
+                return load_tokenizer(cand)
+            except DataError:
+                continue
     return None
 
 
@@ -152,7 +154,7 @@ def _main(argv: list[str]) -> int:
         raise GenerateError("give exactly one of prompt=\"text\" or prompt_ids=\"1 2 3\"")
     if a["prompt"] is not None:
         if tok is None:
-            raise GenerateError(f"prompt= needs a tokenizer.model next to {where}; use prompt_ids= instead")
+            raise GenerateError(f"prompt= needs a tokenizer saved next to {where}; use prompt_ids= instead")
         ids = tok.encode(a["prompt"])
         bos = a["bos"] if a["bos"] is not None else trained_with_bos(where, Path(a["checkpoint"]))
         if bos and tok.bos_id is not None:
