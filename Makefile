@@ -4,23 +4,27 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 
-.PHONY: venv smoke test bench clean
+.PHONY: venv lint smoke test bench clean
 
+# Compat editable mode: the repo root goes on sys.path (a .pth file), so `python -m training.<tool>` run from a
+# directory with its own data/ or model/ folder still imports this project's packages, not that folder.
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
-	# compat editable mode: the repo root goes on sys.path (a .pth file), so `python -m training.<tool>` run from a
-	# directory with its own data/ or model/ folder still imports this project's packages, not that folder
 	$(BIN)/python -m pip install -q -e ".[dev]" --config-settings editable_mode=compat
 	touch $@
 
 venv: $(BIN)/.installed
 
 smoke: venv
-	bash launch/smoke.sh
+	bash launch/smoke.sh $(ARGS)
 
-test: venv
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: venv lint
 	DS_ACCELERATOR=cpu $(BIN)/python -m pytest
 
 bench: venv

@@ -12,10 +12,12 @@ consecutive bad steps the trainer saves a checkpoint and stops with `TooManyBadS
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 
 class TooManyBadSteps(RuntimeError):
@@ -32,8 +34,6 @@ def grads_finite(params: list[torch.Tensor]) -> bool:
 
 
 def _any_rank(flag: bool) -> bool:
-    import torch.distributed as dist
-
     t = torch.tensor([1.0 if flag else 0.0])
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -48,6 +48,7 @@ def install(engine) -> bool:
     inner_step = opt.step
     opt.overflow = False
 
+    @functools.wraps(inner_step)  # keeps torch's LR-scheduler marker on step (no "step() overridden" warning)
     def guarded_step(*args: Any, **kwargs: Any):
         params = [p for g in opt.param_groups for p in g["params"]]
         opt.overflow = _any_rank(not grads_finite(params))

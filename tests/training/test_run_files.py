@@ -51,3 +51,8 @@ def test_summary_tokens_per_s_is_this_sessions_tokens_over_its_time(run):
     summary = json.loads((run[0] / "summary.json").read_text())
     assert summary["session_tokens"] == summary["tokens_seen"]  # a fresh run: this session saw every token
     assert summary["tokens_per_s"] == pytest.approx(summary["session_tokens"] / summary["elapsed_s"], rel=1e-6)
+
+
+def test_checkpoints_say_how_to_convert_them(run):
+    note = (run[0] / "checkpoints" / "README.md").read_text()
+    assert "python -m training.export" in note and "zero_to_fp32.py" in note

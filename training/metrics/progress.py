@@ -10,6 +10,8 @@ import time
 from collections.abc import Mapping
 from typing import Any, TextIO
 
+from tqdm import tqdm
+
 
 def format_duration(seconds: float) -> str:
     seconds = max(0, int(seconds))
@@ -41,8 +43,6 @@ class Progress:
         self._min_interval = min_interval_s
         self.step = start_step
         if self.interactive:
-            from tqdm import tqdm
-
             self._bar = tqdm(total=total_steps, initial=start_step, file=self.stream, dynamic_ncols=True,
                              unit="step", desc="train")
 

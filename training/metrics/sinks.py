@@ -14,6 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from matplotlib import colormaps
+
+from training.metrics.router import bucket_experts
 
 _SECRET_RE = re.compile(r"(api[_-]?key|secret|passw(or)?d|credential|private[_-]?key"
                         r"|(^|[_-])(auth|access|hf|bearer|wandb)[_-]?token$|^token$)", re.I)
@@ -82,10 +85,6 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
 def heatmap_rgb(counts_LE: Any, max_columns: int = 128, scale: int = 4) -> np.ndarray:
     """[L, E] loads -> uint8 RGB image (layers down, expert buckets across), colour = load / mean load of the
     layer on a log2 scale clipped to [1/4, 4] (white = balanced, red = hot, blue = cold, black = dead)."""
-    from matplotlib import colormaps
-
-    from training.metrics.router import bucket_experts
-
     c_LB = bucket_experts(counts_LE, max_columns)
     mean_L1 = c_LB.mean(axis=1, keepdims=True)
     ratio = np.divide(c_LB, mean_L1, out=np.zeros_like(c_LB), where=mean_L1 > 0)
@@ -105,7 +104,7 @@ class WandbSink:
 
     def __init__(self, run_dir: str | os.PathLike, config: Mapping[str, Any], mode: str, project: str,
                  run_id: str | None, resume: bool) -> None:
-        import wandb
+        import wandb  # ~1 s to import: only runs that log to W&B pay it
 
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@ import os
 import platform
 import time
 
+import psutil
 import torch
 
 from data.config import cache_dir
@@ -100,12 +101,7 @@ def peak_flops(device: str | torch.device | None = None, refresh: bool = False) 
 def memory_stats(device: str | torch.device | None = None) -> dict[str, float]:
     """Memory in GiB: process RSS (CPU) and, on CUDA, allocated / peak allocated / reserved."""
     out: dict[str, float] = {}
-    try:
-        import psutil
-
-        out["memory/rss_gib"] = psutil.Process().memory_info().rss / 2**30
-    except ImportError:  # psutil is a dependency; be lenient anyway
-        pass
+    out["memory/rss_gib"] = psutil.Process().memory_info().rss / 2**30
     dev = torch.device(device) if device is not None else None
     if torch.cuda.is_available() and (dev is None or dev.type == "cuda"):
         out["memory/gpu_alloc_gib"] = torch.cuda.memory_allocated(dev) / 2**30
