@@ -169,6 +169,8 @@ class CheckpointSection:
     keep_last: int = 2
     save_final: bool = True
     fallback: bool = False  # resume: a corrupted newest checkpoint falls back to the previous complete one
+    allow_changes: List[str] = field(default_factory=list)  # resume despite these changes: train.steps|data|optim.lr
+    start_over: bool = False  # archive the run dir's previous run (archive/<UTC time>/) and start fresh
 
 
 @dataclass

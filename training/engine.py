@@ -70,9 +70,10 @@ def build_ds_config(cfg: DictConfig, world_size: int) -> dict[str, Any]:
     return deep_merge(out, extra or {})
 
 
-def lr_lambda(cfg: DictConfig) -> Callable[[int], float]:
-    """Multiplier of the peak lr at optimizer step s (0-based): warmup, then cosine / wsd / constant."""
-    steps, sch = int(cfg.train.steps), cfg.schedule
+def lr_lambda(cfg: DictConfig, total_steps: int | None = None) -> Callable[[int], float]:
+    """Multiplier of the peak lr at optimizer step s (0-based): warmup, then cosine / wsd / constant over the
+    horizon `total_steps` (default train.steps; a resumed run keeps its original one), its final value after."""
+    steps, sch = int(total_steps if total_steps is not None else cfg.train.steps), cfg.schedule
     warm = max(1, int(math.ceil(sch.warmup_frac * steps))) if sch.warmup_frac > 0 else 0
     floor = float(sch.min_lr_ratio)
     decay_start = int(steps * (1 - sch.decay_frac))
@@ -179,14 +180,15 @@ def register_external_params_for_zero3(model: nn.Module, vocab_size: int) -> int
     return n
 
 
-def initialize(cfg: DictConfig, model: nn.Module, ds_config: dict[str, Any], groups=None):
+def initialize(cfg: DictConfig, model: nn.Module, ds_config: dict[str, Any], groups=None,
+               total_steps: int | None = None):
     """deepspeed.initialize with a client optimizer (or the JSON's for offload) and a LambdaLR schedule."""
     import deepspeed
 
     if int(ds_config.get("zero_optimization", {}).get("stage", 0)) == 3:
         register_external_params_for_zero3(model, int(getattr(getattr(model, "config", None), "vocab_size", 2)))
     opt = build_optimizer(cfg, model, groups)
-    fn = lr_lambda(cfg)
+    fn = lr_lambda(cfg, total_steps)
 
     def sched(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
         return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)

@@ -11,6 +11,7 @@ no side effects; `main` adjusts the process (argv from the launcher, warning fil
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -20,12 +21,17 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from data.config import digest
+from model.config import K3Config
 from model.params import count_params
+from training import watchdog
 from training.checkpoint import CheckpointError
+from training.checkpoint import preflight, settle
 from training.config import CONF_DIR, TrainConfigError, resolve_run_dir, validate
 from training.distributed import env_world
 from training.guard import TooManyBadSteps
-from training.rundir import RunDirError, check_run_dir, checkpoint_bytes_estimate
+from training.rundir import (RunDirError, archive_previous_run, check_run_dir, checkpoint_bytes_estimate,
+                             lock_run_dir)
 
 
 def strip_local_rank(argv: list[str]) -> list[str]:
@@ -43,13 +49,25 @@ def strip_local_rank(argv: list[str]) -> list[str]:
     return out
 
 
+def sweep_job_dir(name: str, overrides: list[str], run_dir: str | None) -> str:
+    """The run directory of one sweep job, keyed by its overrides: `runs/sweep/<name>/<key>`, or `<run_dir>/<key>`
+    when the sweep was given `run_dir=`. The key is `key-value` items, sorted, joined by `__`, anything but
+    [A-Za-z0-9._-] as `_` (a valid unquoted Hydra value and shell word); a long key ends in a digest. Jobs with
+    different values never share a directory; re-running the same values continues the same job."""
+    items = sorted(o for o in overrides if not o.startswith(("run_dir=", "launcher.", "hydra.")))
+    key = "__".join(re.sub(r"[^A-Za-z0-9._-]", "_", o.replace("=", "-", 1)) for o in items) or "base"
+    if len(key) > 120:
+        key = f"{key[:100]}-{digest(items, 12)}"
+    return os.path.join(run_dir or os.path.join("runs", "sweep", name), key)
+
+
 def launch_sweep_job(cfg: DictConfig) -> None:
-    """In a Hydra multirun, start this job as its own deepspeed launch and wait for it (one process group per
-    job; the sweeping process itself never joins one)."""
+    """In a Hydra multirun, start this job as its own deepspeed launch into its own run directory
+    (`sweep_job_dir`) and wait for it (one process group per job; the sweeping process never joins one)."""
     hc = HydraConfig.get()
     overrides = [o for o in hc.overrides.task if not o.startswith(("launcher.", "hydra."))]
-    if not any(o.startswith("run_dir=") for o in overrides):
-        overrides.append(f"run_dir={os.path.join('runs', 'sweep', cfg.name, str(hc.job.num))}")
+    job_dir = sweep_job_dir(cfg.name, overrides, cfg.run_dir)
+    overrides = [o for o in overrides if not o.startswith("run_dir=")] + [f"run_dir={job_dir}"]
     cmd = ["deepspeed", "--no_local_rank", "--num_gpus", str(cfg.launcher.num_gpus)]
     if cfg.launcher.hostfile:
         cmd += ["--hostfile", cfg.launcher.hostfile]
@@ -57,7 +75,24 @@ def launch_sweep_job(cfg: DictConfig) -> None:
     print("sweep job:", " ".join(cmd), flush=True)
     rc = subprocess.call(cmd)
     if rc != 0:
-        raise SystemExit(f"sweep job {hc.job.num} failed with exit status {rc}")
+        raise SystemExit(f"sweep job {hc.job.num} ({job_dir}) failed with exit status {rc}")
+
+
+def prepare_run_dir(cfg: DictConfig, mcfg: K3Config, world_size: int, rank: int) -> str:
+    """Rank 0, before anything is written: refuse a job that would mix two runs (identity, resume=none), then
+    lock the run dir for this job's life and archive (start_over) or settle (fallback) its checkpoints."""
+    run_dir = resolve_run_dir(cfg)
+    if rank != 0:
+        return run_dir
+    preflight(cfg, mcfg, world_size, run_dir)
+    lock_run_dir(run_dir)
+    if cfg.checkpoint.start_over:
+        dst = archive_previous_run(run_dir)
+        if dst:
+            print(f"checkpoint.start_over: archived the previous run to {dst}", flush=True)
+    else:
+        settle(cfg, run_dir)
+    return run_dir
 
 
 @hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
@@ -68,10 +103,11 @@ def hydra_main(cfg: DictConfig) -> None:
     if cfg.launcher.num_gpus > 0 and "RANK" not in os.environ:
         launch_sweep_job(cfg)
         return
+    watchdog.start()  # a rank of the deepspeed launcher never outlives it
     try:
         mcfg = validate(cfg, info.world_size)
-        check_run_dir(resolve_run_dir(cfg), checkpoint_bytes_estimate(count_params(mcfg)[0],
-                                                                      int(cfg.checkpoint.keep_last)))
+        run_dir = prepare_run_dir(cfg, mcfg, info.world_size, info.rank)
+        check_run_dir(run_dir, checkpoint_bytes_estimate(count_params(mcfg)[0], int(cfg.checkpoint.keep_last)))
     except (TrainConfigError, ValueError, RunDirError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)

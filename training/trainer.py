@@ -67,11 +67,13 @@ class Trainer:
         self.ep, self.reducer = None, DistStatsReducer()
         resume_from = checkpoint.resume_dir(cfg.checkpoint.resume, self.ckpt_root, bool(cfg.checkpoint.fallback),
                                             self.is_main)
+        self.plan = checkpoint.plan_for(cfg, mcfg, self.world, resume_from, self.run_dir)  # same run? horizon
         if cfg.parallel.ep_size > 1 or (resume_from and checkpoint.has_expert_files(resume_from)):
             self.ep = setup_expert_parallel(self.model, int(cfg.parallel.ep_size), int(cfg.deepspeed.zero_stage))
             groups = self.ep.param_groups(self.model, groups)
             self.reducer = self.ep.stats_reducer()
-        self.engine, self.optimizer, self.scheduler = initialize(cfg, self.model, self.ds_config, groups)
+        self.engine, self.optimizer, self.scheduler = initialize(cfg, self.model, self.ds_config, groups,
+                                                                 total_steps=self.plan.horizon)
         safe_load.install(self.engine)  # checkpoints are untrusted: never unpickle code
         install_guard(self.engine)  # ZeRO-0: skip non-finite steps like the ZeRO optimizers do
         self.guard = StepGuard(int(t.max_bad_steps))
@@ -123,12 +125,13 @@ class Trainer:
 
     def _resume(self, tag_dir: str) -> str | None:
         """Restore engine, trainer counters, guard, data position and RNG; returns the W&B run id."""
+        base_lrs = list(self.scheduler.base_lrs) if self.scheduler is not None else []
         state, rank_state = checkpoint.load(self.engine, tag_dir, self.info.rank, self.world,
                                             ep_load=self.ep.load_checkpoint if self.ep else None)
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
         self.guard.load_state_dict(state)
-        if rank_state.get("data") is not None:
-            self.loader.load_state_dict(rank_state["data"])
+        checkpoint.apply_plan(self.plan, self.loader, rank_state.get("data"), self.scheduler, base_lrs,
+                              self.is_main)
         if rank_state.get("rng") is not None:
             checkpoint.set_rng_state(rank_state["rng"])
         if self.is_main:
@@ -171,7 +174,8 @@ class Trainer:
     # --- checkpoints --------------------------------------------------------------------------------------------
     def save(self) -> None:
         state = {"step": self.step, "tokens_seen": self.tokens_seen, "wandb_run_id": self.logger.run_id,
-                 "world_size": self.world, "global_batch_rows": self.global_rows, **self.guard.state_dict()}
+                 "world_size": self.world, "global_batch_rows": self.global_rows, **self.guard.state_dict(),
+                 **self.plan.state()}
 
         def extra(tag_dir: str) -> None:
             self.mcfg.save(tag_dir)

@@ -189,6 +189,7 @@ def run_and_kill_launcher(run_dir: Path, overrides: list[str], at_step: int, who
         if m and m[-1]["step"] >= at_step:
             break
         time.sleep(0.05)
+    killed_at = time.time()
     if whole_group:
         os.killpg(p.pid, signal.SIGKILL)
     else:
@@ -196,6 +197,7 @@ def run_and_kill_launcher(run_dir: Path, overrides: list[str], at_step: int, who
     out, err = p.communicate(timeout=60)
     res = RunResult(p.returncode, out, err, run_dir, read_metrics(run_dir))
     res.pgid = p.pid  # type: ignore[attr-defined]  (start_new_session: the launcher leads its own group)
+    res.killed_at = killed_at  # type: ignore[attr-defined]
     return res
 
 
@@ -211,3 +213,17 @@ def wait_group_gone(pgid: int, timeout: float = 30.0) -> bool:
             return True
         time.sleep(0.2)
     return False
+
+
+def snapshot(run_dir: Path) -> dict[str, tuple[int, int]]:
+    """Every file under `run_dir` with its size and mtime: equal before and after = nothing was written."""
+    return {str(p.relative_to(run_dir)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+def one_error_line(r: RunResult, rc: int = 2) -> str:
+    """The job's single `error:` line (exit status `rc`, no traceback, nothing trained)."""
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert r.returncode == rc and len(lines) == 1, r.tail()
+    assert "Traceback" not in r.stderr and "step 1/" not in r.stdout, r.tail()
+    return lines[0]

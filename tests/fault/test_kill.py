@@ -3,7 +3,8 @@ EP=2 CPU job (ZeRO-2). `checkpoint.resume=auto` must continue from the newest CO
 uninterrupted job's losses bitwise; a partial checkpoint is never resumed and is replaced/pruned afterwards.
 
 CI runs one kill mid-checkpoint (tests/distributed/test_resume.py covers a plain exit after a step); the matrix (K3_FAULT_FULL=1) kills at 5 more steps, both
-ranks, the launcher's process group at 2 points and every checkpoint phase.
+ranks, the launcher's process group at 2 points and every checkpoint phase (kill -9 of the launcher process alone:
+test_processes.py).
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def _kill_in_checkpoint(runs_root, reference, phase: str, step: int = 4):
     from training.checkpoint import find_latest
 
     latest = find_latest(str(run_dir / "checkpoints"))
-    committed = phase in ("before_latest", "before_prune")  # COMPLETE was written: step 4 is a good checkpoint
+    committed = phase == "before_prune"  # `latest` names step 4 (before that, step 4 is an orphan: never resumed)
     assert latest == str(ckpt_dir(run_dir, step if committed else step - 2))
     assert (ckpt_dir(run_dir, step - 2) / "COMPLETE").is_file()  # the previous checkpoint is intact
     _resume_and_check(run_dir, reference, "kill -9 during checkpoint write", killed.returncode)
@@ -82,26 +83,14 @@ def test_kill_launcher_process_group_resumes_bitwise(runs_root, reference, at_st
 
 
 @pytest.mark.fault_matrix
-def test_killing_only_the_launcher_process_takes_the_ranks_down(runs_root, reference):
-    """kill -9 of the `deepspeed` process alone: its ranks must not keep training into the run dir unsupervised."""
-    from tests.fault.conftest import wait_group_gone
-
-    run_dir = runs_root / "kill_launcher_pid"
-    killed = run_and_kill_launcher(run_dir, JOB, 2, whole_group=False)
-    gone = wait_group_gone(killed.pgid)
-    record("kill -9 launcher pid only (orphans)", survived=gone, data_lost=False)
-    assert gone, "ranks outlived the killed launcher"
-
-
-@pytest.mark.fault_matrix
 def test_resume_with_world_size_2_to_1_continues_the_same_global_batches(runs_root, reference):
     import shutil
 
     run_dir = runs_root / "ws2to1"
     shutil.copytree(reference.run_dir, run_dir)
     (run_dir / "metrics.jsonl").unlink()
-    one = [o for o in JOB if not o.startswith(("parallel=", "train.grad_accum"))] + ["train.grad_accum=2",
-                                                                                       f"train.steps={STEPS + 2}"]
+    one = [o for o in JOB if not o.startswith(("parallel=", "train.grad_accum"))] + [
+        "train.grad_accum=2", f"train.steps={STEPS + 2}", "checkpoint.allow_changes=[train.steps]"]
     r = run_training(run_dir, one, nproc=1, launcher=False)
     ok = r.returncode == 0 and [m["step"] for m in r.metrics] == [STEPS + 1, STEPS + 2]
     record("resume with world size 2 -> 1", survived=ok, data_lost=not ok)

@@ -18,7 +18,9 @@ from typing import Any
 
 import torch
 
+from model.config import K3Config
 from model.hf import CheckpointError  # one class for "this checkpoint cannot be used": one line naming the fix
+from model.params import build_meta
 
 
 def _allowed_globals() -> list[Any]:
@@ -86,7 +88,29 @@ def verify_checkpoint(tag_dir: str, trainer_state: bool = True) -> None:
         raise CheckpointError(f"checkpoint {tag_dir} has no model states file (mp_rank_*_model_states.pt); "
                               "resume from another checkpoint (checkpoint.fallback=true)")
     for p in files:
-        safe_torch_load(p)
+        obj = safe_torch_load(p)
+        if p.endswith("mp_rank_00_model_states.pt") and isinstance(obj, dict) and isinstance(obj.get("module"), dict):
+            _check_config_matches(tag_dir, obj["module"])
+
+
+def _check_config_matches(tag_dir: str, module: dict[str, Any]) -> None:
+    """The checkpoint's config.json must describe its weights (else export/resume would fail with 60 lines of
+    size mismatches): compare every weight's shape with the model config.json builds (on the meta device)."""
+    path = os.path.join(tag_dir, "config.json")
+    if not os.path.isfile(path):
+        return
+    try:
+        want = {k: tuple(v.shape) for k, v in build_meta(K3Config.from_hf_config(path)).state_dict().items()}
+    except (OSError, ValueError, TypeError) as e:
+        raise CheckpointError(f"checkpoint file {path} is corrupted ({_short(e)}); resume from another checkpoint "
+                              "(checkpoint.fallback=true)") from None
+    bad = [k for k, v in module.items()
+           if k in want and isinstance(v, torch.Tensor) and v.numel() and tuple(v.shape) != want[k]]
+    if bad:
+        more = f" (+{len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise CheckpointError(f"checkpoint {tag_dir} is inconsistent: {bad[0]} has shape {list(module[bad[0]].shape)} "
+                              f"but its config.json gives {list(want[bad[0]])}{more}; the checkpoint is damaged or "
+                              "mixed: resume from another checkpoint (checkpoint.fallback=true)")
 
 
 def install(engine) -> None:

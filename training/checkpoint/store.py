@@ -3,14 +3,14 @@
 Layout of `<run_dir>/checkpoints/`:
     step_00000100/            DeepSpeed tag dir (model/optimizer/ZeRO shards, LR scheduler, client state)
         rank_00000.pt ...     every rank's own state: torch/numpy/python RNG, data-loader state
-        trainer_state.json    step, tokens seen, W&B run id, world size (rank 0)
+        trainer_state.json    step, tokens seen, W&B run id, world size, run identity + schedule horizon (rank 0)
         config.json           the model config (so export needs nothing else); tokenizer files
         COMPLETE              written by rank 0 after a barrier: every rank finished writing
     latest                    the newest COMPLETE tag, replaced atomically (tmp file + os.replace)
 
 A crash mid-write leaves a tag dir without COMPLETE; `latest` still names the previous good one, and
-`training.checkpoint.resume.find_latest` skips incomplete dirs, so the last good checkpoint is never lost.
-Keep-last-N prunes only COMPLETE dirs older than the one just committed.
+`training.checkpoint.resume.find_latest` only returns the COMPLETE tag `latest` names, so the last good checkpoint is
+never lost. Keep-last-N prunes only COMPLETE dirs older than the one just committed (never that one).
 
 `save` takes an `on_phase(phase, step)` seam called at each phase of the write (`SAVE_PHASES`): the trainer routes
 it to its callbacks, so a test-only fault injector can kill a rank at an exact point without this module knowing.
@@ -113,16 +113,24 @@ def save(engine, root: str, step: int, trainer_state: dict[str, Any], rank_state
         on_phase("before_complete", step)
         atomic_write(os.path.join(tag_dir, COMPLETE), "")
         on_phase("before_latest", step)
-        atomic_write(os.path.join(root, LATEST), tag)
+        write_latest(root, tag)
         on_phase("before_prune", step)
         _prune(root, keep_last, keep=tag)
     barrier()
     return tag_dir
 
 
+def write_latest(root: str, tag: str) -> None:
+    """Point `latest` at `tag` (atomic replace): the one authority on which checkpoint a run continues from."""
+    atomic_write(os.path.join(root, LATEST), tag)
+
+
 def _prune(root: str, keep_last: int, keep: str) -> None:
-    """Delete COMPLETE checkpoints beyond the newest `keep_last`, and incomplete dirs older than `keep`."""
-    tags = complete_tags(root)
+    """Keep the newest `keep_last` COMPLETE checkpoints up to `keep` (the one `latest` now names, never deleted),
+    delete older ones and incomplete dirs older than `keep`. Tags newer than `keep` (orphans of an abandoned
+    trajectory) are left alone: a later save of that step replaces them. Corrupt ones were moved aside at resume
+    (`step_X.corrupt`), so they never count as kept."""
+    tags = [t for t in complete_tags(root) if t <= keep]
     for old in tags[:-keep_last]:
         if old != keep:
             shutil.rmtree(os.path.join(root, old), ignore_errors=True)
