@@ -77,15 +77,16 @@ def child(preset: str, seq_len: int) -> dict[str, float]:
         for step in range(2):
             if step == 0:
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    loss = model(ids_BT, labels=ids_BT).loss
+                    out = model(ids_BT, labels=ids_BT)
                 after_fwd = _rss_bytes() - base  # weights + saved activations (+ allocator slack), before backward
             else:
-                loss = model(ids_BT, labels=ids_BT).loss
-            loss.backward()
-            del loss
+                out = model(ids_BT, labels=ids_BT)
+            out.loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            model.update_balance()
+            for moe, stats in zip(model.moe_layers(), out.router_stats):  # the trainer's bias update
+                moe.balancer.update(stats.balance)
+            del out
         heap_end = heap.now()
         # heap that is not tensors: what remains after the steps besides weights + AdamW's m, v (grads are freed)
         # is BLAS / oneDNN workspace and autograd bookkeeping, a constant of the process like the CUDA context

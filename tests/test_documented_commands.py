@@ -78,6 +78,8 @@ def tiny(cmd: str, tmp: Path) -> str:
     """The command with tiny overrides, every output path moved under `tmp` (the checkout is never written)."""
     cmd = re.sub(r"(?<![\w/.])runs/", f"{tmp}/runs/", cmd)
     cmd = cmd.replace("out=/tmp/", f"out={tmp}/").replace("plan.out=", f"plan.out={tmp}/")
+    if "launch/sweep.sh" in cmd:  # a multirun: every job into its own directory under run_dir
+        return cmd + f" run_dir={tmp}/runs/sweep" + TRAIN
     if re.search(r"training\.train\b|training/train\.py|launch/smoke\.sh|k3-train", cmd):
         if "run_dir=" not in cmd:  # where the job writes as documented: runs/<experiment name> (smoke.sh: smoke)
             m = re.search(r"experiment=(\w+)", cmd)
@@ -121,17 +123,21 @@ def test_gpu_script_refuses_without_cuda():
 
 def test_documented_commands_run(tmp_path):
     """Run in document order: later commands use what earlier ones wrote (a run dir, a tokenizer)."""
-    ran, failed = [], []
+    ran, failed, seen = [], [], set()
     for cmd in documented_commands():
         if cmd in EXEMPT:
             continue
         line = tiny(cmd, tmp_path)
+        same = re.sub(r"\s+", " ", re.sub(rf"^{_ENV}(\.venv/bin/)?", "", line)).strip()
+        if same in seen:  # the same tiny command behind another spelling (env prefix, .venv/bin/, spacing)
+            continue
+        seen.add(same)
         p = subprocess.run(["bash", "-c", line], cwd=REPO, env=_env(tmp_path), capture_output=True, text=True,
                            timeout=900)
         ran.append(line)
         if p.returncode != 0:
             failed.append(f"{cmd}\n  ran: {line}\n  rc={p.returncode}\n  {p.stderr[-1500:]}")
     assert failed == [], "\n\n".join(failed)
-    assert len(ran) >= 15
+    assert len(ran) >= 12
     assert not (REPO / "k3_plan.json").exists()  # nothing documented writes into the checkout
     assert shlex.split(ran[0])[:2] == ["make", "smoke"]  # the README's first command runs first

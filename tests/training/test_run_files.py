@@ -56,3 +56,27 @@ def test_summary_tokens_per_s_is_this_sessions_tokens_over_its_time(run):
 def test_checkpoints_say_how_to_convert_them(run):
     note = (run[0] / "checkpoints" / "README.md").read_text()
     assert "python -m training.export" in note and "zero_to_fp32.py" in note
+
+
+def test_torch_threads_follow_omp_num_threads_when_set(run):
+    assert json.loads((run[0] / "summary.json").read_text())["torch_threads"] == 1  # the fixture sets it to 1
+
+
+def test_cpu_threads_default_to_the_cores_per_local_rank(monkeypatch):
+    from training.train import cpu_threads_per_rank
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setenv("LOCAL_SIZE", "2")  # what the deepspeed launcher sets
+    assert cpu_threads_per_rank() == max(1, cores // 2)
+    monkeypatch.delenv("LOCAL_SIZE")
+    assert cpu_threads_per_rank() == cores
+
+
+def test_a_run_without_omp_num_threads_uses_every_core_of_its_rank(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LOCAL_SIZE", "LOCAL_WORLD_SIZE")}
+    p = subprocess.run([sys.executable, "-m", "training.train", "experiment=tiny_ci", f"run_dir={tmp_path / 'r'}",
+                        "train.steps=1", "logging.mode=disabled"], cwd=REPO, env={**env, "DS_ACCELERATOR": "cpu"},
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["torch_threads"] == len(os.sched_getaffinity(0))

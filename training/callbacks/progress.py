@@ -5,6 +5,7 @@ import time
 from typing import Any
 
 import psutil
+import torch
 
 from training.callbacks.base import Callback, Trainer
 from training.step import StepResult
@@ -68,7 +69,7 @@ class Throughput(Callback):
     def on_train_end(self, trainer: Trainer, summary: dict[str, Any]) -> None:
         elapsed = time.time() - self.t_start
         summary.update(elapsed_s=elapsed, time_to_first_step_s=self.first_step_s, session_tokens=self.session_tokens,
-                       tokens_per_s=self.session_tokens / max(1e-9, elapsed))
+                       tokens_per_s=self.session_tokens / max(1e-9, elapsed), torch_threads=torch.get_num_threads())
 
 
 class DataStats(Callback):
