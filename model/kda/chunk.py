@@ -19,13 +19,15 @@ path contributes sum_V dS_{n+1} * S_{n+1} to every position.
 Layout: each group's inputs are copied into contiguous chunk-major buffers, fused with their first op (q * scale,
 cumsum(g), v straight into the right half of [kg | v]); a strided view would make every elementwise op slow and
 every matmul copy its operand first. Per-chunk loop views come from one `unbind` each; strip products accumulate
-in place through `[batch, R, D]` views (`_b3`) instead of `+=` on slices (which copies back). The UT backward uses
+in place through `[batch, R, D]` views (`as_batched`) instead of `+=` on slices (which copies back). The UT backward uses
 T^T dW = -(T^T dU) S^T: one [C, V] triangular product and one state matmul instead of a state matmul and a
 [C, K + V] triangular product.
 """
 from __future__ import annotations
 
 import torch
+
+from model.kda.block_lower import BlockLower
 
 # largest exponent one score factor may carry (fp32 max ~ e^88.7)
 EXP_LIMIT = {torch.float32: 80.0, torch.float64: 600.0}
@@ -51,108 +53,6 @@ def _exp_floored(x: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------------------
 # decay factors: exp(G_r - G_i) = P_r * Q_i, split so that no factor overflows
 # --------------------------------------------------------------------------------------------------------------
-def _b3(x: torch.Tensor) -> torch.Tensor:
-    """[..., R, D] as a [batch, R, D] view (never a copy: in-place batched matmuls write through it)."""
-    return x.view(-1, x.shape[-2], x.shape[-1])
-
-
-class _BlockLower:
-    """A lower-triangular [..., C, C] matrix kept as its n_s diagonal S x S blocks ([..., n_s, S, S]) and, below
-    each diagonal block b < n_s - 1, the strip of all later rows in b's columns ([..., C - (b + 1) S, S]). With
-    C = 64 and two sub-blocks a quarter of every C x C product (the zero upper block) is never computed."""
-
-    def __init__(self, diag: torch.Tensor, strips: list[torch.Tensor]):
-        self.diag, self.strips = diag, strips
-        self.n_s, self.S = diag.shape[-3], diag.shape[-1]
-
-    def _blk(self, Z: torch.Tensor) -> torch.Tensor:  # [..., C, D] -> [..., n_s, S, D]
-        return Z.view(*Z.shape[:-2], self.n_s, self.S, Z.shape[-1])
-
-    def _rows(self, b: int) -> tuple[int, int]:  # strip b: rows r0.., columns r0 - S..r0
-        return (b + 1) * self.S, b * self.S
-
-    @staticmethod
-    def outer(terms: list[tuple[torch.Tensor, torch.Tensor, float]], n_s: int, diagonal: int) -> "_BlockLower":
-        """tril(sum_j alpha_j X_j Y_j^T, diagonal) for X_j, Y_j [..., C, D], only on the stored blocks."""
-        X0 = terms[0][0]
-        C = X0.shape[-2]
-        S = C // n_s
-        blk = lambda Z: Z.view(*Z.shape[:-2], n_s, S, Z.shape[-1]).flatten(0, -3)  # noqa: E731
-        X, Y, alpha = terms[0]
-        diag = torch.bmm(blk(X), blk(Y).transpose(-1, -2))
-        if alpha != 1.0:
-            diag.mul_(alpha)
-        for X, Y, alpha in terms[1:]:
-            diag.baddbmm_(blk(X), blk(Y).transpose(-1, -2), alpha=alpha)
-        diag = diag.view(*X0.shape[:-2], n_s, S, S).tril_(diagonal)
-        strips = []
-        for b in range(n_s - 1):
-            r0, c0 = (b + 1) * S, b * S
-            X, Y, alpha = terms[0]
-            St = X[..., r0:, :] @ Y[..., c0:r0, :].transpose(-1, -2)
-            if alpha != 1.0:
-                St.mul_(alpha)
-            for X, Y, alpha in terms[1:]:
-                St.flatten(0, -3).baddbmm_(X[..., r0:, :].flatten(0, -3),
-                                           Y[..., c0:r0, :].flatten(0, -3).transpose(-1, -2), alpha=alpha)
-            strips.append(St)
-        return _BlockLower(diag, strips)
-
-    def mm(self, Z: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
-        """M @ Z for Z [..., C, D] (added into `acc` when given)."""
-        if acc is None:
-            Y = torch.matmul(self.diag, self._blk(Z)).view_as(Z)
-        else:
-            Y = acc
-            self._blk(Y).flatten(0, -3).baddbmm_(self.diag.flatten(0, -3), self._blk(Z).flatten(0, -3))
-        for b, St in enumerate(self.strips):
-            r0, c0 = self._rows(b)
-            _b3(Y[..., r0:, :]).baddbmm_(_b3(St), _b3(Z[..., c0:r0, :]))
-        return Y
-
-    def mm_t(self, Z: torch.Tensor) -> torch.Tensor:
-        """M^T @ Z for Z [..., C, D]."""
-        Y = torch.matmul(self.diag.transpose(-1, -2), self._blk(Z)).view_as(Z)
-        for b, St in enumerate(self.strips):
-            r0, c0 = self._rows(b)
-            _b3(Y[..., c0:r0, :]).baddbmm_(_b3(St).transpose(-1, -2), _b3(Z[..., r0:, :]))
-        return Y
-
-    def scale_rows_(self, beta: torch.Tensor) -> "_BlockLower":
-        """Diag(beta) M in place, beta [..., C]."""
-        self.diag.mul_(beta.view(*beta.shape[:-1], self.n_s, self.S, 1))
-        for b, St in enumerate(self.strips):
-            St.mul_(beta[..., self._rows(b)[0]:, None])
-        return self
-
-    def scale_rows(self, beta: torch.Tensor) -> "_BlockLower":
-        return _BlockLower(self.diag * beta.view(*beta.shape[:-1], self.n_s, self.S, 1),
-                           [St * beta[..., self._rows(b)[0]:, None] for b, St in enumerate(self.strips)])
-
-    def row_dot(self, other: "_BlockLower") -> torch.Tensor:
-        """sum_i M[r, i] O[r, i] per row r: [..., C]."""
-        out = (self.diag * other.diag).sum(-1).flatten(-2)
-        for b, (St, Ot) in enumerate(zip(self.strips, other.strips)):
-            out[..., self._rows(b)[0]:].add_((St * Ot).sum(-1))
-        return out
-
-    def unit_inverse(self) -> "_BlockLower":
-        """(I + M)^-1 for strictly lower M, blockwise: T_bb = (I + M_bb)^-1 for all diagonal blocks at once, then
-        from the last strip back, T[after b, b] = -T[after b, after b] M[after b, b] T_bb."""
-        Td = unit_lower_inverse(self.diag)
-        strips: list[torch.Tensor] = [None] * len(self.strips)  # type: ignore[list-item]
-        S = self.S
-        for b in range(self.n_s - 2, -1, -1):
-            r0 = (b + 1) * S
-            Z = self.strips[b] @ Td[..., b, :, :]  # [..., C - r0, S]
-            Y = torch.matmul(Td[..., b + 1:, :, :], Z.view(*Z.shape[:-2], self.n_s - b - 1, S, S)).view_as(Z)
-            for b2 in range(b + 1, self.n_s - 1):
-                r2 = (b2 + 1) * S
-                _b3(Y[..., r2 - r0:, :]).baddbmm_(_b3(strips[b2]), _b3(Z[..., r2 - S - r0:r2 - r0, :]))
-            strips[b] = Y.neg_()
-        return _BlockLower(Td, strips)
-
-
 class _DecayFactors:
     """exp(G_r - G_i) on the causal part (i <= r) of a chunk, as products of a row and a column factor.
 
@@ -206,15 +106,15 @@ class _DecayFactors:
         return b * self.Q, [b[..., j * S:(j + 1) * S, :] * Q_s for j, (_, Q_s) in enumerate(self.strips)]
 
     # ---- the three operations
-    def scores(self, aP, aP_s, bQ, bQ_s, diagonal: int) -> _BlockLower:
+    def scores(self, aP, aP_s, bQ, bQ_s, diagonal: int) -> BlockLower:
         """A (lower triangle from `diagonal`) from the row products of a and the column products of b."""
         if self.exact:
             A = (aP.unsqueeze(-2) * self.D * bQ.unsqueeze(-3)).sum(-1).tril_(diagonal)
-            return _BlockLower(A.unsqueeze(-3), [])
+            return BlockLower(A.unsqueeze(-3), [])
         diag = torch.matmul(self._blk(aP), self._blk(bQ).transpose(-1, -2)).tril_(diagonal)
-        return _BlockLower(diag, [a_s @ b_s.transpose(-1, -2) for a_s, b_s in zip(aP_s, bQ_s)])
+        return BlockLower(diag, [a_s @ b_s.transpose(-1, -2) for a_s, b_s in zip(aP_s, bQ_s)])
 
-    def row_apply(self, M: _BlockLower, bQ, bQ_s, out: torch.Tensor | None = None) -> torch.Tensor:
+    def row_apply(self, M: BlockLower, bQ, bQ_s, out: torch.Tensor | None = None) -> torch.Tensor:
         """Y_r = sum_i M[r, i] exp(G_r - G_i) b_i (written into `out` when given)."""
         if self.exact:
             return torch.sum(M.diag.squeeze(-3).unsqueeze(-1) * self.D * bQ.unsqueeze(-3), -2, out=out)
@@ -224,7 +124,7 @@ class _DecayFactors:
             Y[..., (b + 1) * self.S:, :].addcmul_(P_s, St @ b_s)
         return Y
 
-    def col_apply(self, Ms: list[_BlockLower], aPs: list[tuple[torch.Tensor, list[torch.Tensor]]]) -> torch.Tensor:
+    def col_apply(self, Ms: list[BlockLower], aPs: list[tuple[torch.Tensor, list[torch.Tensor]]]) -> torch.Tensor:
         """Y_i = sum_j sum_r M_j[r, i] exp(G_r - G_i) a_j,r (summed over the pairs j)."""
         if self.exact:
             Y = None
@@ -259,28 +159,6 @@ class _DecayFactors:
         for j, (P_s, Q_s) in enumerate(self.strips):
             torch.mul(Q_s, P_s[..., -1:, :], out=E[..., j * S:(j + 1) * S, :])
         return E
-
-
-# --------------------------------------------------------------------------------------------------------------
-# (I + L)^-1 for the UT transform
-# --------------------------------------------------------------------------------------------------------------
-def unit_lower_inverse(L_XCC: torch.Tensor, leaf: int = 32) -> torch.Tensor:
-    """(I + L)^-1 for strictly lower L [..., C, C]. Halves recursively (both diagonal halves in one batched call;
-    the off-diagonal block is -T22 L21 T11) down to `leaf`-sized triangular solves against I: small batched
-    matmuls are much faster on CPU than batched LAPACK solves of the full size."""
-    C = L_XCC.shape[-1]
-    if C <= leaf or C % 2:
-        eye_CC = torch.eye(C, dtype=L_XCC.dtype, device=L_XCC.device).expand_as(L_XCC)
-        return torch.linalg.solve_triangular(L_XCC, eye_CC, upper=False, unitriangular=True)
-    h = C // 2
-    T_X2hh = unit_lower_inverse(torch.stack([L_XCC[..., :h, :h], L_XCC[..., h:, h:]], dim=-3), leaf)
-    T11, T22 = T_X2hh.unbind(-3)
-    T_XCC = L_XCC.new_zeros(L_XCC.shape)
-    T_XCC[..., :h, :h] = T11
-    T_XCC[..., h:, h:] = T22
-    torch.matmul(T22, L_XCC[..., h:, :h] @ T11, out=T_XCC[..., h:, :h])
-    T_XCC[..., h:, :h].neg_()
-    return T_XCC
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -357,7 +235,7 @@ def _backward_group(saved: list, S_all, dS_all, n0: int, do, outs) -> None:
     dq_o, dk_o, dv_o, dg_o, dbeta_o = outs
 
     # output o = qg S_prev + A_qk Vp
-    dA_qk = _BlockLower.outer([(do, Vp, 1.0)], dec.n_s, diagonal=0)
+    dA_qk = BlockLower.outer([(do, Vp, 1.0)], dec.n_s, diagonal=0)
     dVp = A_qk.mm_t(do)  # becomes the total gradient of Vp in the loop
     dqg = do @ S_prev.transpose(-1, -2)
     torch.matmul(qg.transpose(-1, -2), do, out=dS_all[n0:n0 + N])
@@ -372,7 +250,7 @@ def _backward_group(saved: list, S_all, dS_all, n0: int, do, outs) -> None:
     # UT transform: [W | U] = T Diag(beta) [kg | v]; dU = dVp, dW = -dVp S^T, so T^T dW = -(T^T dU) S^T
     dRU = Tm.mm_t(dVp)  # T^T dU  [n, X, C, V]
     nRW = dRU @ S_prev.transpose(-1, -2)  # -T^T dW  [n, X, C, K]
-    dL = _BlockLower.outer([(nRW, W, 1.0), (dRU, U, -1.0)], dec.n_s, diagonal=-1)  # grad of Diag(beta) A_kk
+    dL = BlockLower.outer([(nRW, W, 1.0), (dRU, U, -1.0)], dec.n_s, diagonal=-1)  # grad of Diag(beta) A_kk
     beta1 = beta.unsqueeze(-1)
     torch.sum(dRU * v, -1, out=dbeta_o)
     dbeta_o.sub_((nRW * kg).sum(-1)).add_(dL.row_dot(A_kk))
@@ -414,7 +292,7 @@ def _tensor_slots(obj):
     for key, x in items:
         if x is None or isinstance(x, torch.Tensor):
             yield obj, key
-        elif isinstance(x, (list, _DecayFactors, _BlockLower)):
+        elif isinstance(x, (list, _DecayFactors, BlockLower)):
             yield from _tensor_slots(x)
 
 
