@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The full fault matrix (issue 8): every fault of tests/fault/ incl. the K3_FAULT_FULL-only trials (kills at 5
+# The full fault matrix (issues 8, 17): every fault of tests/fault/ incl. the K3_FAULT_FULL-only trials (kills at 5
 # steps, launcher kills, every checkpoint phase, world size 2 -> 1, resume twice across a data loop, 2,000-step
-# soak), then a table: fault, trials, survived, data lost. Usage: launch/fault_matrix.sh [extra pytest args]
+# soak, launcher-process kill with 2 ranks, resume on new data with allow_changes=[data]) and the run-identity,
+# lock, sweep and retention trials, then a table: fault, trials, survived, data lost.
+# Usage: launch/fault_matrix.sh [extra pytest args]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}

@@ -25,13 +25,11 @@ from data.config import digest
 from model.config import K3Config
 from model.params import count_params
 from training import watchdog
-from training.checkpoint import CheckpointError
-from training.checkpoint import preflight, settle
+from training.checkpoint import CheckpointError, preflight, settle
 from training.config import CONF_DIR, TrainConfigError, resolve_run_dir, validate
 from training.distributed import env_world
 from training.guard import TooManyBadSteps
-from training.rundir import (RunDirError, archive_previous_run, check_run_dir, checkpoint_bytes_estimate,
-                             lock_run_dir)
+from training.rundir import RunDirError, archive_previous_run, check_run_dir, checkpoint_bytes_estimate, lock_run_dir
 
 
 def strip_local_rank(argv: list[str]) -> list[str]:

@@ -140,16 +140,18 @@ def copy_run(src: Path, dst: Path) -> Path:
     return dst
 
 
-def resume_overrides(run: RunResult, steps: int) -> list[str]:
-    """The base run's own resolved config (config.yaml), continued to `steps`."""
+def resume_overrides(run: RunResult, steps: int, allow: tuple[str, ...] = ()) -> list[str]:
+    """The base run's own resolved config (config.yaml), continued to `steps` (other than the base's 4: with
+    checkpoint.allow_changes=[train.steps]) with the `allow` changes allowed too."""
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.load(run.run_dir / "config.yaml")
     src = cfg.data.sources[0]
+    allowed = [*allow, *(["train.steps"] if steps != BASE_STEPS and "train.steps" not in allow else [])]
     return [*TINY, f"train.steps={steps}", "checkpoint.every=1", "checkpoint.keep_last=10",
             f"data.sources=[{{type: jsonl, path: {src.path}}}]",
             f"data.tokenizer.model_path={cfg.data.tokenizer.model_path}", "data.max_bad_fraction=0.5",
-            "data.shuffle_buffer=1"]
+            "data.shuffle_buffer=1", *([f"checkpoint.allow_changes=[{','.join(allowed)}]"] if allowed else [])]
 
 
 def record(fault: str, survived: bool, data_lost: bool, detail: str = "") -> None:
@@ -174,7 +176,6 @@ def run_and_kill_launcher(run_dir: Path, overrides: list[str], at_step: int, who
     process group (what a scheduler or OOM-killer of the job does) or only the launcher process."""
     import signal
     import subprocess
-    import sys
     import time
 
     from tests.distributed.conftest import BIN, REPO, free_port, job_env

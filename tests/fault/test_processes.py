@@ -11,9 +11,16 @@ import time
 
 import pytest
 
-from tests.fault.conftest import (TINY, one_error_line, record, run_and_kill_launcher, run_training, snapshot,
-                                  wait_group_gone)
 from tests.distributed.conftest import REPO, job_env
+from tests.fault.conftest import (
+    TINY,
+    one_error_line,
+    record,
+    run_and_kill_launcher,
+    run_training,
+    snapshot,
+    wait_group_gone,
+)
 
 GONE_WITHIN_S = 10.0
 
@@ -36,13 +43,14 @@ def test_a_second_job_on_a_locked_run_dir_stops_naming_the_holder(tmp_path):
 
 
 @pytest.mark.distributed
-def test_killing_the_launcher_process_takes_its_ranks_down_within_seconds(tmp_path):
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.fault_matrix)])
+def test_killing_the_launcher_process_takes_its_ranks_down_within_seconds(tmp_path, nproc):
     job = [*TINY, "train.steps=500", "checkpoint.every=1"]
-    killed = run_and_kill_launcher(tmp_path / "run", job, at_step=1, whole_group=False, nproc=1)
+    killed = run_and_kill_launcher(tmp_path / "run", job, at_step=1, whole_group=False, nproc=nproc)
     gone = wait_group_gone(killed.pgid, timeout=30)
     after = time.time() - killed.killed_at
-    record("kill -9 launcher pid only (orphans)", survived=gone and after < GONE_WITHIN_S, data_lost=False,
-           detail=f"ranks gone {after:.1f} s after the kill")
+    record(f"kill -9 launcher pid only ({nproc} rank(s): none outlives it)", survived=gone and after < GONE_WITHIN_S,
+           data_lost=False, detail=f"ranks gone {after:.1f} s after the kill")
     assert gone and after < GONE_WITHIN_S, f"ranks still alive {after:.1f} s after the launcher was killed"
     assert max(m["step"] for m in killed.metrics) < 500
     assert "the deepspeed launcher" in killed.stderr

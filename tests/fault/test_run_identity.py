@@ -10,8 +10,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.fault.conftest import (BASE_STEPS, ckpt_dir, copy_run, one_error_line, record, resume_overrides,
-                                  run_training, snapshot)
+from tests.fault.conftest import (
+    BASE_STEPS,
+    ckpt_dir,
+    copy_run,
+    one_error_line,
+    record,
+    resume_overrides,
+    run_training,
+    snapshot,
+)
 from training.checkpoint import complete_tags
 
 BASE_LR = 3e-3  # tiny_ci
@@ -26,13 +34,14 @@ def _jobs(base_run) -> dict[str, list[str]]:
         "lr_refused": [*base, f"optim.lr={NEW_LR}"],
         "arch": [*base, "model.hidden_size=32"],
         "none": [*base, "checkpoint.resume=none"],
-        "lr_allowed": [*base, f"optim.lr={NEW_LR}", "checkpoint.resume=STEP2", "checkpoint.allow_changes=[optim.lr]"],
-        "steps": [*resume_overrides(base_run, BASE_STEPS + 2), "checkpoint.allow_changes=[train.steps]"],
+        "lr_allowed": [*resume_overrides(base_run, BASE_STEPS, allow=("optim.lr",)), f"optim.lr={NEW_LR}",
+                       "checkpoint.resume=STEP2"],
+        "steps": resume_overrides(base_run, BASE_STEPS + 2),  # (allows train.steps)
         "start_over": [*resume_overrides(base_run, 1), "checkpoint.resume=none", "checkpoint.start_over=true"],
         # the newest checkpoint (4) is corrupt; the next save is at step 5 with keep_last=2
         "fallback": [*(o for o in resume_overrides(base_run, BASE_STEPS + 1) if not o.startswith(
             ("checkpoint.every", "checkpoint.keep_last"))), f"checkpoint.every={BASE_STEPS + 1}",
-                     "checkpoint.keep_last=2", "checkpoint.fallback=true", "checkpoint.allow_changes=[train.steps]"],
+                     "checkpoint.keep_last=2", "checkpoint.fallback=true"],
     }
 
 
@@ -139,3 +148,18 @@ def test_fallback_moves_the_corrupt_checkpoint_aside_and_keep_last_keeps_the_goo
     assert kept == ["step_00000003", "step_00000005"]  # the good checkpoint resumed from is kept, not the corrupt one
     assert (root / "step_00000004.corrupt" / "mp_rank_00_model_states.pt").is_file()
     assert (root / "latest").read_text() == "step_00000005"
+
+
+@pytest.mark.fault_matrix
+def test_allowed_data_change_continues_at_a_fresh_data_position(base_run, runs_root, tmp_path):
+    run = copy_run(base_run.run_dir, runs_root / "id_data")
+    corpus = tmp_path / "new.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"new document {i} " * 20}) + "\n" for i in range(50)))
+    ov = [o for o in resume_overrides(base_run, BASE_STEPS + 2, allow=("data",)) if not o.startswith("data.sources")]
+    r = run_training(run, [*ov, f"data.sources=[{{type: jsonl, path: {corpus}}}]"], launcher=False)
+    new = [m for m in r.metrics if m["step"] > BASE_STEPS]
+    record("resume on new data with allow_changes=[data]", survived=r.returncode == 0, data_lost=len(new) != 2)
+    assert r.returncode == 0, r.tail()
+    assert "the loader starts a fresh data position" in r.stdout
+    assert [m["step"] for m in new] == [BASE_STEPS + 1, BASE_STEPS + 2]
+    assert new[-1]["data/records_read"] < base_run.metrics[-1]["data/records_read"]  # counted from the new start

@@ -6,14 +6,18 @@ W&B API key never lands in the run directory or the logs.
 """
 from __future__ import annotations
 
+import json
 import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.fault.conftest import (BASE_STEPS, SECRET, ckpt_dir, copy_run, resume_overrides, run_training)
+from tests.distributed.conftest import REPO, job_env
+from tests.fault.conftest import BASE_STEPS, SECRET, ckpt_dir, copy_run, resume_overrides, run_training
 from training.checkpoint.safe_load import CheckpointError, safe_torch_load, verify_checkpoint
 
 
@@ -106,3 +110,32 @@ def test_wandb_key_never_written_to_run_dir_or_logs(base_run):
     hits = [str(p) for p in base_run.run_dir.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
     assert hits == []
     assert SECRET not in base_run.stdout and SECRET not in base_run.stderr
+
+
+def _export(src: Path, out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "training.export", str(src), str(out)], cwd=REPO, env=job_env(),
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_export_of_a_truncated_checkpoint_is_one_line_and_writes_nothing(base_run, runs_root):
+    run = copy_run(base_run.run_dir, runs_root / "export_truncated_src")  # (the fallback test repairs truncated_run)
+    victim = ckpt_dir(run, BASE_STEPS) / "mp_rank_00_model_states.pt"
+    victim.write_bytes(victim.read_bytes()[:1000])
+    r = _export(run, runs_root / "export_truncated")
+    err = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert r.returncode == 2 and len(err) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert str(victim) in err[0] and "corrupted or truncated" in err[0]
+    assert not (runs_root / "export_truncated").exists()
+
+
+def test_export_of_a_checkpoint_whose_config_does_not_match_its_weights_is_one_line(base_run, runs_root):
+    run = copy_run(base_run.run_dir, runs_root / "mismatched")
+    cfg_path = ckpt_dir(run, BASE_STEPS) / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["hidden_size"] = cfg["hidden_size"] // 2
+    cfg_path.write_text(json.dumps(cfg))
+    r = _export(run, runs_root / "export_mismatched")
+    err = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert r.returncode == 2 and len(err) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "is inconsistent" in err[0] and "config.json" in err[0]
+    assert not (runs_root / "export_mismatched").exists()

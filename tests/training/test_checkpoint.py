@@ -11,8 +11,18 @@ import pytest
 import torch
 
 from data.files import atomic_write as _atomic_write
-from training.checkpoint import (RunMismatch, complete_tags, find_latest, orphans, pick_resume, resolve_checkpoint,
-                                 rng_state, run_identity, set_rng_state, tag_for)
+from training.checkpoint import (
+    RunMismatch,
+    complete_tags,
+    find_latest,
+    orphans,
+    pick_resume,
+    resolve_checkpoint,
+    rng_state,
+    run_identity,
+    set_rng_state,
+    tag_for,
+)
 from training.checkpoint.identity import check_allow_changes, plan_resume
 from training.checkpoint.store import COMPLETE, _prune
 from training.config import compose, validate

@@ -12,6 +12,7 @@ steps stop early on the original curve.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -73,10 +74,8 @@ def stored_identity(tag_dir: str, state: dict[str, Any]) -> dict[str, Any]:
     if isinstance(state.get(IDENTITY_KEY), dict):
         return state[IDENTITY_KEY]
     out: dict[str, Any] = {}
-    try:
+    with contextlib.suppress(OSError, ValueError):  # no readable config.json: the global batch alone
         _flatten("model", dataclasses.asdict(K3Config.from_hf_config(tag_dir)), out)
-    except (OSError, ValueError):
-        pass
     if "global_batch_rows" in state:
         out["train.global_batch_rows"] = int(state["global_batch_rows"])
     return json.loads(json.dumps(out, default=str))
