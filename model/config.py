@@ -13,9 +13,10 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-BalanceMode = Literal["quantile", "sign", "aux", "none"]
+BalanceMode = Literal["quantile", "sign", "aux", "none"]  # the one list of balancing modes (training's Enum too)
+BalanceEstimator = Literal["exact", "histogram"]
 
 _LINEAR_ATTN_KEYS = (
     "full_attn_layers",
@@ -91,7 +92,7 @@ class K3Config:
     # --- project-only settings (saved in config.json; other readers ignore them) -------------------------------
     kda_chunk_size: int = 64
     moe_balance: BalanceMode = "quantile"
-    moe_balance_estimator: Literal["exact", "histogram"] = "exact"
+    moe_balance_estimator: BalanceEstimator = "exact"
     moe_balance_bins: int = 1000
     moe_sign_update_rate: float = 1e-3  # DeepSeek-V3 gamma
     moe_aux_loss_coef: float = 1e-4  # sequence-wise auxiliary loss coefficient (balance == "aux")
@@ -216,10 +217,10 @@ class K3Config:
         need(self.moe_layer_freq >= 1, f"moe_layer_freq must be >= 1, got {self.moe_layer_freq}")
         need(self.attn_res_block_size is None or self.attn_res_block_size >= 0,
              f"attn_res_block_size must be >= 1 (or 0/null to disable), got {self.attn_res_block_size}")
-        need(self.moe_balance in ("quantile", "sign", "aux", "none"),
-             f"moe_balance must be one of quantile|sign|aux|none, got {self.moe_balance!r}")
-        need(self.moe_balance_estimator in ("exact", "histogram"),
-             f"moe_balance_estimator must be exact|histogram, got {self.moe_balance_estimator!r}")
+        for key, choices in (("moe_balance", get_args(BalanceMode)), ("moe_balance_estimator",
+                                                                        get_args(BalanceEstimator))):
+            need(getattr(self, key) in choices,
+                 f"{key} must be one of {'|'.join(choices)}, got {getattr(self, key)!r}")
         for tok in ("bos_token_id", "eos_token_id", "pad_token_id"):
             t = getattr(self, tok)
             need(t is None or 0 <= t < self.vocab_size, f"{tok}={t} is outside the vocabulary [0, {self.vocab_size})")
