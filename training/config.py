@@ -17,11 +17,15 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, List, Optional
 
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
 from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
-from data import DataConfig, DataError
+from data import DataConfig, DataError, Tokenizer, load_tokenizer
 from data.config import coerce_config
+from data.tokenizer import detect_kind
 from model.config import ConfigError, K3Config, preset_names
 
 
@@ -54,6 +58,11 @@ class ScheduleName(Choice):
     cosine = "cosine"
     wsd = "wsd"
     constant = "constant"
+
+
+class LossOn(Choice):
+    assistant = "assistant"  # chat sources: assistant turns (+ their end marker) only; text sources: every token
+    all = "all"
 
 
 class LoggingMode(Choice):
@@ -116,6 +125,7 @@ class TrainSection:
     precision: Precision = Precision.auto
     activation_checkpointing: bool = False
     max_bad_steps: int = 5  # stop (with a checkpoint) after this many consecutive non-finite steps; 0 = never
+    loss_on: LossOn = LossOn.assistant  # which tokens of chat sources carry loss
 
 
 @dataclass
@@ -197,23 +207,25 @@ class TrainConfig:
     callbacks: List[str] = field(default_factory=list)  # extra training.callbacks.Callback classes, by import path
 
 
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 def register_configs() -> None:
-    """Register the schema so conf/train.yaml (which lists `train_schema` first in its defaults) is typed."""
+    """Register the schema so conf/train.yaml (which lists `train_schema` first in its defaults) is typed, and
+    `${k3_repo:}` (this checkout's root) so shipped example data resolves from any working directory."""
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
+    if not OmegaConf.has_resolver("k3_repo"):
+        OmegaConf.register_new_resolver("k3_repo", lambda: REPO_ROOT)
 
 
 register_configs()
 
-CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+CONF_DIR = os.path.join(REPO_ROOT, "conf")
 
 
 def compose(overrides: list[str] | None = None) -> DictConfig:
     """Compose conf/train.yaml with overrides outside of @hydra.main (tests, tools)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
@@ -294,7 +306,38 @@ def validate(cfg: DictConfig, world_size: int) -> K3Config:
     if r not in ("auto", "none"):
         need(os.path.isdir(r), f"checkpoint.resume={r} is not a directory; use auto, none or a checkpoint path")
     check_data_config(cfg.data)
+    check_tokenizer(cfg, mcfg)
     return mcfg
+
+
+def checkpoint_tokenizer(cfg: DictConfig) -> Tokenizer | None:
+    """The tokenizer `model.init_from` ships (its rows are the checkpoint's embedding rows), or None."""
+    if not cfg.model.init_from:
+        return None
+    try:
+        detect_kind(cfg.model.init_from)
+    except DataError:
+        return None  # a checkpoint without tokenizer files: the data config's tokenizer is used
+    return load_tokenizer(cfg.model.init_from, kind=str(cfg.data.tokenizer.type))
+
+
+def check_tokenizer(cfg: DictConfig, mcfg: K3Config) -> None:
+    """Pre-flight: the checkpoint's tokenizer fits the model and agrees with a configured one."""
+    try:
+        tok = checkpoint_tokenizer(cfg)
+        if tok is None:
+            return
+        if tok.vocab_size > mcfg.vocab_size:
+            raise TrainConfigError(f"the tokenizer of model.init_from={cfg.model.init_from} has {tok.vocab_size} "
+                                   f"ids but the model has vocab_size={mcfg.vocab_size}; use the checkpoint's own "
+                                   "tokenizer and config")
+        path = cfg.data.tokenizer.model_path
+        if path and load_tokenizer(path).fingerprint != tok.fingerprint:
+            raise TrainConfigError(f"data.tokenizer.model_path={path} is not the tokenizer of model.init_from="
+                                   f"{cfg.model.init_from}; drop data.tokenizer.model_path (the checkpoint brings "
+                                   "its own)")
+    except DataError as e:
+        raise TrainConfigError(str(e)) from None
 
 
 def check_data_config(data: DictConfig) -> None:

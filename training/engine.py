@@ -47,7 +47,8 @@ def build_ds_config(cfg: DictConfig, world_size: int) -> dict[str, Any]:
         zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     bf16 = use_bf16(cfg)
     out: dict[str, Any] = {
-        "train_batch_size": int(t.micro_batch_size * t.grad_accum * world_size),
+        # no train_batch_size: DeepSpeed derives it (micro x GA x data-parallel size), so the saved JSON is valid
+        # for any world size (engine._configure_train_batch_size / DeepSpeedConfig._batch_assertion)
         "train_micro_batch_size_per_gpu": int(t.micro_batch_size),
         "gradient_accumulation_steps": int(t.grad_accum),
         "gradient_clipping": float(t.grad_clip),

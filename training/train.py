@@ -116,9 +116,20 @@ def hydra_main(cfg: DictConfig) -> None:
         sys.exit(3)
 
 
+def cpu_threads_per_rank() -> int:
+    """Cores this process may use / ranks on this machine: the launchers leave OMP_NUM_THREADS unset, and two
+    ranks each using every core run many times slower than with one thread each."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
+    return max(1, cores // max(1, local_ranks))
+
+
 def main() -> None:
-    """Console/launcher entry: strip the launcher's --local_rank, quiet known noise, then run Hydra."""
+    """Console/launcher entry: strip the launcher's --local_rank, quiet known noise, pick a CPU thread count,
+    then run Hydra."""
     sys.argv = strip_local_rank(sys.argv)
+    if not torch.cuda.is_available() and not os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(cpu_threads_per_rank())
     # DeepSpeed's ZeRO collectives call a torch API deprecated in 2.13; the warning repeats on every rank and step.
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
     if not torch.cuda.is_available():

@@ -8,6 +8,7 @@ model forward/backward under the DeepSpeed engine -> engine.step -> the guard's 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -17,12 +18,12 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from data import GlobalBatchLoader, prepare_tokenizer
+from data import GlobalBatchLoader, Tokenizer, atomic_write, prepare_tokenizer
 from model import K3Config, K3ForCausalLM, load_hf_checkpoint
 from training import balance, checkpoint
 from training.callbacks import CallbackList, default_callbacks, load_callback
 from training.checkpoint import safe_load
-from training.config import TrainConfigError, global_batch_rows, resolve_run_dir
+from training.config import TrainConfigError, checkpoint_tokenizer, global_batch_rows, resolve_run_dir
 from training.distributed import DistStatsReducer, all_reduce_sum, barrier, init_distributed
 from training.engine import build_ds_config, initialize, param_groups
 from training.expert_parallel import setup_expert_parallel
@@ -36,6 +37,26 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+CONVERSION_NOTE = """# Converting these checkpoints
+
+Use `python -m training.export <run_dir> <out_dir>`: it writes a consolidated Hugging Face checkpoint (config,
+safetensors, tokenizer) from any ZeRO stage and any expert-parallel size, and `model.load_hf_checkpoint(out_dir)`
+reads it back.
+
+DeepSpeed copies `zero_to_fp32.py` next to its checkpoints. It fails on expert-parallel checkpoints (ZeRO 1/2 with
+`parallel.ep_size > 1` store one `layer_*_expert_*_model_states.pt` file per expert, which it reads as a model
+state file: "... is not a model state checkpoint"), and DeepSpeed's `ds_to_universal` refuses them too (no
+`universal_checkpoint_info`). `training.export` consolidates the per-expert files by global expert id.
+"""
+
+
+def write_conversion_note(ckpt_root: str) -> None:
+    """`checkpoints/README.md` beside DeepSpeed's zero_to_fp32.py: which converter works for these checkpoints."""
+    path = os.path.join(ckpt_root, "README.md")
+    if not os.path.exists(path):
+        atomic_write(path, CONVERSION_NOTE)
 
 
 class Trainer:
@@ -84,7 +105,7 @@ class Trainer:
 
         self.loader = GlobalBatchLoader(OmegaConf.to_object(cfg.data), self.tokenizer, int(t.seq_len),
                                         self.global_rows, int(t.micro_batch_size), self.info.rank, self.world,
-                                        int(t.seed))
+                                        int(t.seed), loss_on=str(t.loss_on))
         self.flops_per_token = flops_per_token(mcfg, int(t.seq_len), training=True)
         self.peak = peak_flops()  # per device; on CPU the machine's measured fp32 matmul peak
         self.step, self.tokens_seen, run_id = 0, 0, None
@@ -92,26 +113,41 @@ class Trainer:
             run_id = self._resume(resume_from)
         self.start_step = self.step
         self.resumed_from = resume_from
-        self.logger = RunLogger(self.run_dir, OmegaConf.to_container(cfg, resolve=True), mode=cfg.logging.mode,
+        self.logger = RunLogger(self.run_dir, self.effective_config(), mode=cfg.logging.mode,
                                 project=cfg.logging.project, run_id=run_id, total_steps=int(t.steps),
                                 is_main=self.is_main, heatmap_every=int(cfg.logging.heatmap_every),
                                 resume=resume_from is not None, start_step=self.step,
                                 progress=bool(cfg.logging.progress))
 
     # --- build helpers ------------------------------------------------------------------------------------------
+    def effective_config(self) -> dict[str, Any]:
+        """The resolved run config with the model section as the model actually built (every K3Config field,
+        not nulls for what the preset filled in): what config.yaml and the W&B config record."""
+        out = OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True)
+        model = dataclasses.asdict(self.mcfg)
+        out["model"] = {"preset": self.cfg.model.preset, "init_from": self.cfg.model.init_from,
+                        **{k: model[k] for k in out["model"] if k in model}}
+        return out
+
     def _write_run_files(self) -> None:
         """Rank 0: resolved config, the generated DeepSpeed JSON and the model config; everyone waits."""
         self.ds_config = build_ds_config(self.cfg, self.world)
         if self.is_main:
             os.makedirs(self.run_dir, exist_ok=True)
-            OmegaConf.save(self.cfg, os.path.join(self.run_dir, "config.yaml"), resolve=True)
+            OmegaConf.save(OmegaConf.create(self.effective_config()), os.path.join(self.run_dir, "config.yaml"))
             with open(os.path.join(self.run_dir, "ds_config.json"), "w", encoding="utf-8") as f:
                 json.dump(self.ds_config, f, indent=2, sort_keys=True)
             self.mcfg.save(os.path.join(self.run_dir, "model"))
 
-    def _prepare_tokenizer(self):
-        """Rank 0 trains/caches the tokenizer first, the others then load the cached file."""
+    def _prepare_tokenizer(self) -> Tokenizer:
+        """The checkpoint's own tokenizer for `model.init_from`; otherwise rank 0 trains/caches the configured one
+        first and the others then load the cached file."""
         data_cfg = OmegaConf.to_object(self.cfg.data)
+        tok = checkpoint_tokenizer(self.cfg)
+        if tok is not None:
+            if self.is_main:
+                tok.save(self.run_dir)
+            return tok
         tok = prepare_tokenizer(data_cfg) if self.is_main else None
         if tok is not None:
             tok.save(self.run_dir)
@@ -184,6 +220,8 @@ class Trainer:
         def on_phase(phase: str, step: int) -> None:
             self.callbacks.on_checkpoint_phase(self, phase, step)
 
+        if self.is_main:
+            write_conversion_note(self.ckpt_root)
         checkpoint.save(self.engine, self.ckpt_root, self.step, state,
                         {"rng": checkpoint.rng_state(), "data": self.loader.state_dict()}, self.info.rank,
                         int(self.cfg.checkpoint.keep_last), extra_files=extra,

@@ -99,7 +99,8 @@ def _varlen_layout(cu_seqlens: torch.Tensor, device: torch.device) -> tuple[torc
 def _fla_kda():
     """fla's (chunk_kda, fused_recurrent_kda) or None; fla needs Triton, so this is only tried for CUDA tensors."""
     try:
-        from fla.ops.kda import chunk_kda as fla_chunk, fused_recurrent_kda as fla_recurrent  # type: ignore
+        from fla.ops.kda import chunk_kda as fla_chunk  # type: ignore
+        from fla.ops.kda import fused_recurrent_kda as fla_recurrent
     except Exception:  # noqa: BLE001 - any import failure (no fla, no triton) means: use the PyTorch path
         return None
     return fla_chunk, fla_recurrent
