@@ -93,11 +93,11 @@ def check_allow_changes(allow: list[str]) -> list[str]:
     return list(allow)
 
 
+_ABSENT = object()  # a key one identity has and the other lacks
+
+
 def _fmt(v: Any) -> str:
     return "<absent>" if v is _ABSENT else json.dumps(v)
-
-
-_ABSENT = object()
 
 
 @dataclass
@@ -139,9 +139,10 @@ def plan_resume(identity: dict[str, Any], state: dict[str, Any] | None, tag_dir:
                           for k in fixed[:_SHOW])
         more = f" (+{len(fixed) - _SHOW} more)" if len(fixed) > _SHOW else ""
         can = sorted({a for k in fixed for a in ALLOWABLE if allowed(k, [a])})
-        choices = f"or checkpoint.allow_changes=[{','.join(can)}] to continue it with these changes" if (
-            len(can) and all(any(allowed(k, [a]) for a in can) for k in fixed)) else (
-            "or checkpoint.start_over=true to archive the old run and start fresh")
+        if all(any(allowed(k, [a]) for a in ALLOWABLE) for k in fixed):
+            choices = f"or checkpoint.allow_changes=[{','.join(can)}] to continue it with these changes"
+        else:
+            choices = "or checkpoint.start_over=true to archive the old run and start fresh"
         raise RunMismatch(f"run_dir {run_dir} holds another run: its checkpoint {tag} differs in {shown}{more}; "
                           f"use a new run_dir=, {choices}")
     horizon = int(state.get(HORIZON_KEY, old.get("train.steps", steps)))
