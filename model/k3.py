@@ -173,13 +173,15 @@ class K3DecoderLayer(nn.Module):
             h = partial + self.self_attn(self.input_layernorm(partial), cu_seqlens=cu_seqlens, cache=cache)
             y, stats = self._ffn(self.post_attention_layernorm(h))
             return blocks, h + y, stats
-        # Block AttnRes, docs/model.md §6 (never mutates the caller's list: recomputation under checkpointing re-runs this)
+        # Block AttnRes, docs/model.md §6 (never mutates the caller's list: recomputation under checkpointing
+        # re-runs this)
         h_in = partial if not blocks else self._mix(
             blocks + [partial], self.self_attention_res_proj, self.self_attention_res_norm)
-        if self.layer_idx % self.attn_res_block_size == 0:  # close the block (layer 0 closes b_0 = embedding)
-            blocks, partial = blocks + [partial], None
         a = self.self_attn(self.input_layernorm(h_in), cu_seqlens=cu_seqlens, cache=cache)
-        partial = a if partial is None else partial + a
+        if self.layer_idx % self.attn_res_block_size == 0:  # close the block (layer 0 closes b_0 = embedding)
+            blocks, partial = blocks + [partial], a
+        else:
+            partial = partial + a
         m_in = self._mix(blocks + [partial], self.mlp_res_proj, self.mlp_res_norm)
         y, stats = self._ffn(self.post_attention_layernorm(m_in))
         return blocks, partial + y, stats
@@ -252,18 +254,22 @@ class K3ForCausalLM(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Re-initialise every parameter per docs/model.md (e.g. after `to_empty` from the meta device): each module's
-        `reset_parameters`, children before parents so a module's own init (docs/model.md) wins over PyTorch defaults."""
+        """Re-initialise every parameter per docs/model.md (e.g. after `to_empty` from the meta device): each
+        module's `reset_parameters`, children before parents so a module's own init wins over PyTorch defaults."""
         for m in reversed(list(self.modules())):
-            if hasattr(m, "reset_parameters"):
-                m.reset_parameters()
+            reset = getattr(m, "reset_parameters", None)
+            if callable(reset):
+                reset()
 
     # --- API used by training ----------------------------------------------------------------------------------
+    def decoder_layers(self) -> list[K3DecoderLayer]:
+        return [layer for layer in self.model.layers if isinstance(layer, K3DecoderLayer)]
+
     def moe_layers(self) -> list[nn.Module]:
-        return [layer.block_sparse_moe for layer in self.model.layers if layer.is_moe]
+        return [layer.block_sparse_moe for layer in self.decoder_layers() if layer.is_moe]
 
     def set_gradient_checkpointing(self, enabled: bool = True) -> None:
-        for layer in self.model.layers:
+        for layer in self.decoder_layers():
             layer.gradient_checkpointing = enabled
 
     # --- forward -----------------------------------------------------------------------------------------------
