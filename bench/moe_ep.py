@@ -36,7 +36,7 @@ def _bench_rank(quick: bool, reps: int) -> list[dict]:
     from bench.common import time_interleaved
     from model.config import K3Config
     from model.moe.layer import LatentMoE
-    from training.ep.alltoall import AllToAllDispatcher, _a2a
+    from training.parallel.alltoall import AllToAllDispatcher, _a2a
 
     rank, world = dist.get_rank(), dist.get_world_size()
     d, l = 256, 128

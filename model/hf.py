@@ -262,3 +262,76 @@ def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     in fp32; use it instead of `.to(torch.bfloat16)`."""
     _cast_keep_fp32(model, dtype)
     return model
+
+
+# --- lazy, sharded reading (one rank reads only what it holds) ---------------------------------------------------
+
+
+class HFReader:
+    """Reads model-state tensors, or row slices of them, straight from a HF checkpoint's safetensors shards.
+
+    Why: a rank of a sharded run owns a slice of each dense tensor and E/P of the experts; reading the whole
+    checkpoint into every process (5.5 TB for the 2.78T release) is what this avoids. Keys are located through
+    `model.safetensors.index.json` (or the single file) and read with `safe_open(...).get_slice`, so only the
+    requested rows leave the file. Names are the model's state-dict names; the released spelling is accepted
+    (`language_model.` prefix, `vision_tower.*`/`mm_projector.*` never read), `A_log` is unpadded, and routed
+    experts are read per expert (`experts.{j}.w1.weight`, or MXFP4 `weight_packed`/`weight_scale` dequantised
+    one expert at a time). `bytes_read` counts the tensor bytes fetched (for the start-up benchmark).
+    """
+
+    def __init__(self, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
+        self.path, self.dtype = os.fspath(path), dtype
+        self.where: dict[str, tuple[str, str]] = {}  # canonical key -> (file, stored key)
+        for file in _tensor_files(self.path):
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    name = _canonical(key)
+                    if name is not None:
+                        self.where[name] = (file, key)
+        self._open: dict[str, Any] = {}
+        self.bytes_read = 0
+
+    def _handle(self, file: str):
+        if file not in self._open:
+            self._open[file] = safe_open(file, framework="pt", device="cpu")
+        return self._open[file]
+
+    def _rows(self, key: str, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
+        if key not in self.where:
+            raise CheckpointError(f"checkpoint {self.path} has no tensor {key}; is config.json from the same "
+                                  "checkpoint?")
+        file, stored = self.where[key]
+        sl = self._handle(file).get_slice(stored)
+        t = sl[:] if lo is None else sl[lo:hi]
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+    def _cast(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        return t.to(target_dtype(name, self.dtype)) if self.dtype is not None and t.is_floating_point() else t
+
+    def expert(self, prefix: str, j: int, w: str) -> torch.Tensor:
+        """Routed expert j's `w` ([out, in]) of the experts module at `prefix`, dequantised if MXFP4."""
+        key = f"{prefix}.{j}.{w}"
+        if f"{key}.weight" in self.where:
+            return self._rows(f"{key}.weight")
+        packed, scale = self._rows(f"{key}.weight_packed"), self._rows(f"{key}.weight_scale")
+        return dequantize_mxfp4(packed, scale, self.dtype or torch.float32)
+
+    def read(self, name: str, shape: tuple[int, ...], lo: int = 0, hi: int | None = None,
+             expert_offset: int = 0) -> torch.Tensor:
+        """Rows [lo, hi) (dim 0) of model tensor `name` whose full model shape is `shape`. For stacked experts
+        (`...experts.w1` [E_local, ...]) row r is global expert `expert_offset + r`."""
+        hi = shape[0] if hi is None else hi
+        m = _STACKED_RE.match(name)
+        if m:
+            parts = [self.expert(m.group(1), expert_offset + r, m.group(2)) for r in range(lo, hi)]
+            t = torch.stack(parts) if parts else torch.empty((0, *shape[1:]))
+        else:  # (A_log is stored zero-padded to ceil(H/128)*128: rows < H are the model's)
+            t = self._rows(name, lo, hi)
+        if tuple(t.shape[1:]) != tuple(shape[1:]):
+            raise CheckpointError(f"{name} has rows of shape {tuple(t.shape[1:])} but the config expects "
+                                  f"{tuple(shape[1:])}; is config.json from the same checkpoint?")
+        return self._cast(name, t)
+
+    def close(self) -> None:
+        self._open.clear()

@@ -260,6 +260,18 @@ def build_model_config(cfg: DictConfig) -> K3Config:
         raise TrainConfigError(f"model: {e}") from None
 
 
+def check_parallel_layout(cfg: DictConfig, world_size: int) -> None:
+    """What DeepSpeed cannot run with ZeRO-3 + EP, checked on the generated DeepSpeed JSON (training/parallelize.py).
+    Local imports: training.engine and training.parallelize import torch/DeepSpeed pieces this module avoids."""
+    from training.engine import build_ds_config
+    from training.parallelize import LayoutError, check_layout
+
+    try:
+        check_layout(int(cfg.deepspeed.zero_stage), int(cfg.parallel.ep_size), build_ds_config(cfg, world_size))
+    except LayoutError as e:
+        raise TrainConfigError(str(e)) from None
+
+
 def validate(cfg: DictConfig, world_size: int) -> K3Config:
     """Cross-key checks that must pass before any process group starts; returns the model config."""
     def need(cond: bool, msg: str) -> None:
@@ -292,9 +304,7 @@ def validate(cfg: DictConfig, world_size: int) -> K3Config:
          f"parallel.ep_size={par.ep_size} must divide the world size {world_size}; change ep_size or --num_gpus")
     need(mcfg.num_experts % par.ep_size == 0,
          f"parallel.ep_size={par.ep_size} must divide model.num_experts={mcfg.num_experts}")
-    need(not (par.ep_size > 1 and ds.zero_stage == 3),
-         "ZeRO-3 cannot partition expert-parallel experts (DeepSpeed refuses MoE with stage 3); "
-         "use deepspeed=zero2 with parallel.ep_size>1 or parallel.ep_size=1 with zero3")
+    check_parallel_layout(cfg, world_size)
     need(0 <= cfg.schedule.warmup_frac < 1, f"schedule.warmup_frac must be in [0, 1), got {cfg.schedule.warmup_frac}")
     need(0 <= cfg.schedule.decay_frac <= 1, f"schedule.decay_frac must be in [0, 1], got {cfg.schedule.decay_frac}")
     need(cfg.optim.lr > 0, f"optim.lr must be > 0, got {cfg.optim.lr}")

@@ -101,7 +101,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (decay if p.dim() >= 2 else no_decay).append(p)
+        # ds_shape: a ZeRO-3 parameter built sharded (training/parallel/construct.py) is a flat partition already
+        (decay if len(getattr(p, "ds_shape", p.shape)) >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
@@ -125,69 +126,12 @@ def build_optimizer(cfg: DictConfig, model: nn.Module, groups: list[dict[str, An
                              eps=float(cfg.optim.eps), weight_decay=wd, fused=True)
 
 
-def _has_hookable_tensor(value: Any) -> bool:
-    """Whether DeepSpeed's module hooks can see a tensor in this output (tensors in tuples/lists/dicts only)."""
-    if isinstance(value, torch.Tensor):
-        return True
-    if isinstance(value, (tuple, list)):
-        return any(_has_hookable_tensor(v) for v in value)
-    if isinstance(value, dict):
-        return any(_has_hookable_tensor(v) for v in value.values())
-    return False
-
-
-@torch.no_grad()
-def register_external_params_for_zero3(model: nn.Module, vocab_size: int) -> int:
-    """Make ZeRO-3 gather every parameter where it is used.
-
-    ZeRO-3 gathers a module's parameters around its forward and, via hooks on its output tensors, its backward.
-    That misses (a) modules never called whose parameters the parent reads directly (AttnRes pseudo-queries used
-    as vectors) and (b) modules returning tensors inside a dataclass (the MoE router's `Routing`): their backward
-    would see an empty partition. One tiny eval-mode forward finds both; their parameters are registered as
-    external parameters of the nearest ancestor that was called and returned hookable tensors. Returns the count.
-    """
-    from deepspeed.runtime.zero.partition_parameters import register_external_parameter
-
-    hookable: set[int] = set()
-
-    def post(mod: nn.Module, _args: Any, out: Any) -> None:
-        if _has_hookable_tensor(out):
-            hookable.add(id(mod))
-
-    hooks = [m.register_forward_hook(post) for m in model.modules()]
-    rng = torch.get_rng_state()
-    was_training = model.training
-    try:
-        model.eval()
-        model(torch.arange(8, dtype=torch.long).remainder(vocab_size).unsqueeze(0))
-    finally:
-        for h in hooks:
-            h.remove()
-        model.train(was_training)
-        torch.set_rng_state(rng)
-    n = 0
-
-    def visit(module: nn.Module, owner: nn.Module) -> None:
-        nonlocal n
-        here = module if id(module) in hookable else owner
-        if here is not module:
-            for p in module.parameters(recurse=False):
-                register_external_parameter(owner, p)
-                n += 1
-        for child in module.children():
-            visit(child, here)
-
-    visit(model, model)
-    return n
-
-
 def initialize(cfg: DictConfig, model: nn.Module, ds_config: dict[str, Any], groups=None,
                total_steps: int | None = None):
-    """deepspeed.initialize with a client optimizer (or the JSON's for offload) and a LambdaLR schedule."""
+    """deepspeed.initialize with a client optimizer (or the JSON's for offload) and a LambdaLR schedule.
+    The model must already be laid out (training/parallelize.py: experts, ZeRO-3 external params)."""
     import deepspeed
 
-    if int(ds_config.get("zero_optimization", {}).get("stage", 0)) == 3:
-        register_external_params_for_zero3(model, int(getattr(getattr(model, "config", None), "vocab_size", 2)))
     opt = build_optimizer(cfg, model, groups)
     fn = lr_lambda(cfg, total_steps)
 
@@ -201,4 +145,33 @@ def initialize(cfg: DictConfig, model: nn.Module, ds_config: dict[str, Any], gro
         kwargs["model_parameters"] = groups if groups is not None else param_groups(
             model, float(cfg.schedule.weight_decay))
     engine, optimizer, _, scheduler = deepspeed.initialize(**kwargs)
+    keep_zero0_grad_norm(engine)
     return engine, optimizer, scheduler
+
+
+def keep_zero0_grad_norm(engine) -> None:
+    """ZeRO-0 fp32: DeepSpeed clips with runtime/utils.clip_grad_norm_ (engine.clip_fp32_gradients), which sums
+    per-tensor norms in fp32 (6e-6 relative off on the tiny model) and drops the norm. Without MoE layers the
+    gradients are identical on every rank, so clip the same way (coef = max_norm / (norm + 1e-6), capped at 1)
+    with the norm accumulated in ZeRO's own norm dtype (zero/utils.get_norm_dtype, fp64), as the ZeRO optimizers
+    do, and keep it in engine._global_grad_norm, where they leave theirs: grad norms then agree across stages."""
+    from deepspeed.runtime.utils import clip_grad_norm_
+    from deepspeed.runtime.zero.utils import get_norm_dtype
+
+    if engine.zero_optimization() or engine.gradient_clipping() <= 0.0:
+        return
+    max_norm = float(engine.gradient_clipping())
+
+    def clip_fp32_gradients() -> None:
+        params = [p for p in engine.module.parameters() if p.grad is not None]
+        if engine.has_moe_layers:  # expert grads differ per rank: DeepSpeed's averaged norm, kept
+            engine._global_grad_norm = float(clip_grad_norm_(params, max_norm, mpu=engine.mpu))
+            return
+        norm = torch.stack([p.grad.detach().to(get_norm_dtype()).norm() for p in params]).pow(2).sum().sqrt()
+        engine._global_grad_norm = float(norm)
+        coef = min(1.0, max_norm / (float(norm) + 1e-6))
+        if coef < 1.0:
+            for p in params:
+                p.grad.mul_(coef)
+
+    engine.clip_fp32_gradients = clip_fp32_gradients

@@ -1,7 +1,8 @@
 """The trainer: build (process group, tokenizer, model, engine, loader, resume), one optimizer step, the loop.
 
 Everything around the loop (loss windows, throughput, router health, test-only fault injection) is a callback
-(training/callbacks/); parallelism is set up by training/expert_parallel.py and DeepSpeed (training/engine.py);
+(training/callbacks/); parallelism is set up by training/parallelize.py (built sharded by
+training/parallel/construct.py) and DeepSpeed (training/engine.py);
 checkpoints and the resume policy live in training/checkpoint/. One step, in order: the loader's micro-batches ->
 model forward/backward under the DeepSpeed engine -> engine.step -> the guard's skip decision -> the balancers
 (global routing statistics, training/balance.py) -> callbacks add to the log record -> logger -> checkpoint.
@@ -19,17 +20,17 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from data import GlobalBatchLoader, Tokenizer, atomic_write, prepare_tokenizer
-from model import K3Config, K3ForCausalLM, load_hf_checkpoint
+from model import K3Config
 from training import balance, checkpoint
 from training.callbacks import CallbackList, default_callbacks, load_callback
 from training.checkpoint import safe_load
 from training.config import TrainConfigError, checkpoint_tokenizer, global_batch_rows, resolve_run_dir
-from training.distributed import DistStatsReducer, all_reduce_sum, barrier, init_distributed
+from training.distributed import all_reduce_sum, barrier, init_distributed
 from training.engine import build_ds_config, initialize, param_groups
-from training.expert_parallel import setup_expert_parallel
 from training.guard import StepGuard, TooManyBadSteps
 from training.guard import install as install_guard
 from training.metrics import RunLogger, flops_per_token, peak_flops
+from training.parallel.construct import build_model
 from training.step import StepResult, pack_microbatch
 
 
@@ -76,23 +77,18 @@ class Trainer:
         self._write_run_files()
         self.tokenizer = self._prepare_tokenizer()
 
-        # --- model (same seed on every rank), optional HF init, expert parallelism, engine ----------------------
-        torch.manual_seed(int(t.seed))
-        self.model = K3ForCausalLM(mcfg)
-        if cfg.model.init_from:
-            src = load_hf_checkpoint(cfg.model.init_from, dtype=torch.float32)
-            self.model.load_state_dict(src.state_dict(), strict=True)
-            del src
-        self.model.set_gradient_checkpointing(bool(t.activation_checkpointing))
-        groups = param_groups(self.model, float(cfg.schedule.weight_decay))
-        self.ep, self.reducer = None, DistStatsReducer()
+        # --- model: built sharded and laid out by training/parallel (each rank only what it owns), engine -------
         resume_from = checkpoint.resume_dir(cfg.checkpoint.resume, self.ckpt_root, bool(cfg.checkpoint.fallback),
                                             self.is_main)
         self.plan = checkpoint.plan_for(cfg, mcfg, self.world, resume_from, self.run_dir)  # same run? horizon
-        if cfg.parallel.ep_size > 1 or (resume_from and checkpoint.has_expert_files(resume_from)):
-            self.ep = setup_expert_parallel(self.model, int(cfg.parallel.ep_size), int(cfg.deepspeed.zero_stage))
-            groups = self.ep.param_groups(self.model, groups)
-            self.reducer = self.ep.stats_reducer()
+        self.model, self.ep = build_model(mcfg, int(t.seed), int(cfg.parallel.ep_size), int(cfg.deepspeed.zero_stage),
+                                          self.ds_config, cfg.model.init_from,
+                                          expert_files=bool(resume_from and checkpoint.has_expert_files(resume_from)))
+        self.model.set_gradient_checkpointing(bool(t.activation_checkpointing))
+        groups = self.ep.param_groups(self.model, param_groups(self.model, float(cfg.schedule.weight_decay)))
+        self.reducer = self.ep.stats_reducer()
+        if resume_from:  # another layout's ZeRO-3 checkpoint: DeepSpeed's universal format (training/parallel)
+            self.ds_config = self.ep.prepare_resume(self.ds_config, resume_from, self.run_dir)
         self.engine, self.optimizer, self.scheduler = initialize(cfg, self.model, self.ds_config, groups,
                                                                  total_steps=self.plan.horizon)
         safe_load.install(self.engine)  # checkpoints are untrusted: never unpickle code
@@ -163,7 +159,7 @@ class Trainer:
         """Restore engine, trainer counters, guard, data position and RNG; returns the W&B run id."""
         base_lrs = list(self.scheduler.base_lrs) if self.scheduler is not None else []
         state, rank_state = checkpoint.load(self.engine, tag_dir, self.info.rank, self.world,
-                                            ep_load=self.ep.load_checkpoint if self.ep else None)
+                                            ep_load=self.ep.load_checkpoint)
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
         self.guard.load_state_dict(state)
         checkpoint.apply_plan(self.plan, self.loader, rank_state.get("data"), self.scheduler, base_lrs,
@@ -225,7 +221,7 @@ class Trainer:
         checkpoint.save(self.engine, self.ckpt_root, self.step, state,
                         {"rng": checkpoint.rng_state(), "data": self.loader.state_dict()}, self.info.rank,
                         int(self.cfg.checkpoint.keep_last), extra_files=extra,
-                        client_extra=self.ep.client_state() if self.ep else None, on_phase=on_phase)
+                        client_extra=self.ep.client_state() if self.ep.group_name else None, on_phase=on_phase)
 
     def stop_bad_steps(self) -> None:
         """Too many consecutive non-finite steps: checkpoint (weights of the last good step) and stop."""

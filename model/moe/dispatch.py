@@ -17,7 +17,7 @@ DeepSpeed's MoE saves) and skips the two recomputation GEMMs (6 instead of 8 bac
 faster on CPU. The default stays recompute=True because the planner's memory model (training/tools/activation_memory.py)
 assumes it.
 
-An expert-parallel dispatcher (training/expert_parallel.py) plugs into `LatentMoE.dispatcher` with the same
+An expert-parallel dispatcher (training/parallel/alltoall.py) plugs into `LatentMoE.dispatcher` with the same
 call signature; it should group by expert with the same stable sort, run `experts.forward_grouped` on what it
 receives, and combine with `combine_slots` so the k-summation order (and hence the bits) match.
 """

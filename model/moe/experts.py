@@ -276,9 +276,18 @@ class LatentExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(self.num_local, l, Im))
         self.reset_parameters()
 
+    @torch.no_grad()
     def reset_parameters(self) -> None:
-        for w in (self.w1, self.w3, self.w2):
-            nn.init.normal_(w, mean=0.0, std=self.init_std)
+        """N(0, init_std), expert j (global id) drawn from its own generator seeded by one draw of the global RNG
+        plus j: the same weights whichever experts this rank holds (expert parallelism, sharded construction)."""
+        if self.w1.is_meta:
+            return
+        base = int(torch.randint(0, 2 ** 62, (), dtype=torch.int64))
+        gen = torch.Generator(device=self.w1.device)
+        for j in range(self.num_local):
+            gen.manual_seed(base + self.expert_offset + j)
+            for w in (self.w1, self.w3, self.w2):
+                w[j].normal_(mean=0.0, std=self.init_std, generator=gen)
 
     def forward_grouped(self, z_ML: torch.Tensor, counts_E: torch.Tensor | list[int]) -> torch.Tensor:
         """Run local expert e on the counts_E[e] consecutive rows of z_ML: [M, l] -> [M, l] (M = sum counts)."""

@@ -60,8 +60,9 @@ def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def run_training(run_dir: Path, overrides: list[str], nproc: int = 2, env: dict[str, str] | None = None,
-                 launcher: bool = True, timeout: int = 600) -> RunResult:
-    """One training job; `launcher=False` runs `python -m training.train` (a 1-rank gloo group).
+                 launcher: bool = True, timeout: int = 600, script: str = "training/train.py") -> RunResult:
+    """One training job; `launcher=False` runs `python -m training.train` (a 1-rank gloo group); `script`: what
+    the launcher starts (a test worker taking the same overrides).
 
     A K3_FAULT_* variable in `env` plugs the test-only fault injector (tests/fault/injector.py) into the trainer's
     callback seam; production code never imports it."""
@@ -70,7 +71,7 @@ def run_training(run_dir: Path, overrides: list[str], nproc: int = 2, env: dict[
         args.append("callbacks=[tests.fault.injector.FaultInjector]")
     if launcher:
         cmd = [str(BIN / "deepspeed"), "--no_local_rank", "--num_gpus", str(nproc), "--master_port",
-               str(free_port()), "training/train.py", *args]
+               str(free_port()), script, *args]
     else:
         cmd = [sys.executable, "-m", "training.train", *args]
     p = subprocess.run(cmd, cwd=REPO, env=job_env(env), capture_output=True, text=True, timeout=timeout)

@@ -70,11 +70,11 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.use_deterministic_algorithms(True, warn_only=True)
     from training.balance import StepRouting, apply
-    from training.expert_parallel import setup_expert_parallel
+    from training.parallelize import parallelize
 
     torch.manual_seed(0)
     model = MoELM(config())
-    handle = setup_expert_parallel(model, ep_size, zero_stage=2)
+    handle = parallelize(model, ep_size, zero_stage=2, expert_files=mode.startswith("load:") or ep_size > 1)
     groups = handle.param_groups(model, [{"params": list(model.parameters()), "weight_decay": 0.0}])
     opt = torch.optim.AdamW(groups, lr=1e-2, foreach=False)
     ds = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": ga,

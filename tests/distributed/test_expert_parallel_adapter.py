@@ -1,4 +1,6 @@
-"""How training/ presents the model's LatentMoE experts to DeepSpeed (in-process, no process group)."""
+"""How training/parallelize.py presents the model's LatentMoE experts to DeepSpeed (in-process, no process group):
+as native MoE layers for ZeRO 0-2, as AutoEP layers for ZeRO-3; and which parameters ZeRO-3 must gather
+outside their module's forward."""
 from __future__ import annotations
 
 import re
@@ -9,8 +11,8 @@ import torch
 from model.config import K3Config
 from model.moe.experts import LatentExperts
 from model.moe.layer import LatentMoE
-from training.ep.deepspeed_moe import present_as_deepspeed_moe, undo_deepspeed_moe
-from training.expert_parallel import setup_expert_parallel
+from training.parallel.ds_moe import present_as_deepspeed_moe, undo_deepspeed_moe
+from training.parallelize import AUTOEP_FAMILY, parallelize, present_as_autoep, register_zero3_external_params
 
 
 def _cfg(**kw) -> K3Config:
@@ -81,19 +83,52 @@ def test_presentation_does_not_change_the_layer_output():
     assert torch.equal(y0, y1) and torch.equal(y0, y2)
 
 
-def test_zero3_with_expert_parallelism_is_refused_in_one_line():
-    with pytest.raises(ValueError, match="ZeRO-3") as e:
-        setup_expert_parallel(_OneMoE(_cfg()), ep_size=2, zero_stage=3)
-    assert "\n" not in str(e.value)
+def test_zero3_presentation_is_an_autoep_layer_with_deepspeeds_placement_tags():
+    from deepspeed.checkpoint.constants import AUTOEP_PARAM_LOGICAL_SHAPE, DS_AUTOEP_UC_META
+    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+
+    torch.manual_seed(0)
+    moe = LatentMoE(_cfg(), 1).double()
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    y0, _ = moe(x)
+    present_as_autoep(moe, num_experts=4, ep_size=1, ep_rank=0, ep_group=None, edp_group=None)
+    assert isinstance(moe, AutoEPMoELayer) and isinstance(moe, LatentMoE)
+    assert (moe.ep_group_name, moe.num_local_experts, moe.ep_size) == ("ep_size_1", 4, 1)
+    for w in ("w1", "w2", "w3"):
+        p = getattr(moe.experts, w)
+        assert (p.allreduce, p.group_name, p.ds_zero_placement_family, p.ds_zero_partition_group_name) == (
+            False, "ep_size_1", AUTOEP_FAMILY, "ep_size_1")
+        assert getattr(p, DS_AUTOEP_UC_META)[AUTOEP_PARAM_LOGICAL_SHAPE] == [4, *p.shape[1:]]
+    assert not hasattr(moe.gate.weight, "ds_zero_placement_family")  # dense: partitioned over every rank
+    y1, _ = moe(x)
+    assert torch.equal(y0, y1)
 
 
-def test_zero3_with_ep_size_1_keeps_experts_as_plain_parameters():
-    model = _OneMoE(_cfg())
-    handle = setup_expert_parallel(model, ep_size=1, zero_stage=3)
-    assert handle.group_name is None and type(model.moe.experts) is LatentExperts
-    assert not any(hasattr(p, "allreduce") for p in model.parameters())
+def _registrations(model, monkeypatch) -> set[tuple[str, str]]:
+    import deepspeed.runtime.zero.partition_parameters as pp
+
+    mods = {id(m): n for n, m in model.named_modules()}
+    params = {id(p): n for n, p in model.named_parameters()}
+    got: set[tuple[str, str]] = set()
+    monkeypatch.setattr(pp, "register_external_parameter", lambda owner, p: got.add((mods[id(owner)], params[id(p)])))
+    register_zero3_external_params(model)
+    return got
+
+
+def test_zero3_external_params_are_found_on_a_meta_model_as_on_a_real_one(monkeypatch):
+    from model import K3ForCausalLM
+
+    cfg = K3Config.preset("tiny", num_hidden_layers=3)
+    real = _registrations(K3ForCausalLM(cfg), monkeypatch)
+    with torch.device("meta"):
+        meta_model = K3ForCausalLM(cfg)
+    meta = _registrations(meta_model, monkeypatch)
+    assert real == meta
+    moe = "model.layers.1.block_sparse_moe"
+    assert {(moe, f"{moe}.experts.w1"), (moe, f"{moe}.gate.weight"),
+            ("model.layers.1", "model.layers.1.mlp_res_proj.weight")} <= real
 
 
 def test_ep_size_that_does_not_divide_the_experts_is_refused():
     with pytest.raises(ValueError, match="must divide"):
-        setup_expert_parallel(_OneMoE(_cfg()), ep_size=3, zero_stage=2)
+        parallelize(_OneMoE(_cfg()), ep_size=3, zero_stage=2)

@@ -127,7 +127,7 @@ def test_full_state_dict_is_the_same_whatever_the_ep_size(runs):
 
 
 def test_consolidated_checkpoint_equals_the_gathered_full_state(runs):
-    from training.ep.deepspeed_moe import consolidated_module_state
+    from training.parallel.ds_moe import consolidated_module_state
 
     full = runs["ep2"][0]["full_state"]
     cons = consolidated_module_state(runs["ckpt_dir"])

@@ -19,7 +19,7 @@ import torch.distributed as dist  # noqa: E402
 from model.config import K3Config  # noqa: E402
 from model.moe.dispatch import LocalDispatcher  # noqa: E402
 from model.moe.experts import LatentExperts  # noqa: E402
-from training.ep.alltoall import AllToAllDispatcher  # noqa: E402
+from training.parallel.alltoall import AllToAllDispatcher  # noqa: E402
 
 E, K, L = 8, 3, 16
 

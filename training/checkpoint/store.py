@@ -154,7 +154,7 @@ def load(engine, tag_dir: str, rank: int, world_size: int, ep_load=None
     """
     root, tag = os.path.split(tag_dir.rstrip("/"))
     kw = dict(load_optimizer_states=True, load_lr_scheduler_states=True)
-    if ep_load is not None:  # expert parallelism: EP-size-agnostic load (training/expert_parallel.py)
+    if ep_load is not None:  # any-layout load (training/parallelize.py, training/parallel/checkpoint.py)
         path, client, _ = ep_load(engine, root, tag, **kw)
     else:
         path, client = engine.load_checkpoint(root, tag=tag, **kw)

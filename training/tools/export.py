@@ -19,6 +19,8 @@ import torch
 from data import DataError, load_tokenizer
 from model import K3Config, K3ForCausalLM, save_hf_checkpoint
 from training.checkpoint import has_expert_files, resolve_checkpoint, verify_checkpoint
+from training.parallel.universal import consolidated_state_dict as zero3_state_dict
+from training.parallel.universal import is_zero3_checkpoint
 from training.tools.cli import parse_args, run_tool
 
 
@@ -27,9 +29,11 @@ def consolidated_state_dict(tag_dir: str) -> dict[str, torch.Tensor]:
     verify_checkpoint(tag_dir, trainer_state=False)  # untrusted: every file must load weights-only before DeepSpeed's loaders see it
     root, tag = os.path.split(os.path.abspath(tag_dir))
     if has_expert_files(tag_dir):  # (DeepSpeed is imported only for the checkpoints that need it: start-up time)
-        from training.ep.deepspeed_moe import consolidated_module_state
+        from training.parallel.ds_moe import consolidated_module_state
 
         return consolidated_module_state(tag_dir)
+    if is_zero3_checkpoint(tag_dir):  # zero3_partitioned (AutoEP experts): DeepSpeed's universal conversion
+        return zero3_state_dict(tag_dir)
     if glob.glob(os.path.join(tag_dir, "*zero_pp_rank_*optim_states.pt")):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 

@@ -37,7 +37,7 @@ def _ds_moe_class(base: type) -> type:
     from deepspeed.moe.layer import MoE
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False, **_) -> None:
-        """Groups are created by setup_expert_parallel before the engine exists; nothing to do here."""
+        """Groups are created by training.parallelize before the engine exists; nothing to do here."""
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         if args or destination is not None or prefix:  # recursion from the model: stacked HF-style tensors
@@ -61,7 +61,7 @@ def _ds_moe_class(base: type) -> type:
                                    unexpected_keys, error_msgs)
 
     cls = type(f"DeepSpeedMoE{base.__name__}", (base, MoE), {
-        "__doc__": f"{base.__name__} presented to DeepSpeed as a native MoE layer (see training/ep/deepspeed_moe.py).",
+        "__doc__": f"{base.__name__} presented to DeepSpeed as a native MoE layer (see training/parallel/ds_moe.py).",
         "set_deepspeed_parallelism": set_deepspeed_parallelism,
         "state_dict": state_dict,
         "_load_from_state_dict": _load_from_state_dict,

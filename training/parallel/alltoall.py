@@ -128,7 +128,7 @@ class AllToAllDispatcher:
         if experts.num_local != El or experts.expert_offset != self.ep_rank * El:
             raise ValueError(f"experts hold ids [{experts.expert_offset}, {experts.expert_offset + experts.num_local})"
                              f" but this rank owns [{self.ep_rank * El}, {(self.ep_rank + 1) * El}); "
-                             "build the layer through training.expert_parallel.setup_expert_parallel")
+                             "lay the model out with training.parallelize.parallelize")
         return _ExpertParallelMoE.apply(z_NL.contiguous(), weight_NK, experts.w1, experts.w3, experts.w2,
                                         expert_idx_NK, self, experts.beta1, experts.beta2)
 

@@ -1,0 +1,129 @@
+"""Per-rank train-step memory on 2 CPU ranks (ZeRO-3 + EP=2, with and without offload) vs the planner.
+
+    DS_ACCELERATOR=cpu .venv/bin/python -m bench.memory_dist            # tiny:512 and small:256, both layouts
+    DS_ACCELERATOR=cpu .venv/bin/python -m bench.memory_dist --cases tiny:512 --layouts zero3
+
+The 2-rank companion of bench/memory.py (same heap measurement: glibc `mallinfo2` sampled by a thread, fixed
+128 KiB mmap threshold so every tensor is its own mapping). Each rank, under the real `deepspeed` launcher, builds
+the model the trainer's way (training/parallel/construct.py: meta, sharded, ZeRO-3 partitions), the engine
+(training/engine.py, the generated DeepSpeed JSON) and runs two train steps on random tokens. Measured: the peak
+in-use heap growth from before the model to the end of step 2, minus the runtime heap that is not tensors (the
+same measured constant bench/memory.py subtracts: BLAS/oneDNN workspaces, autograd bookkeeping, taken from a
+1-process run of the same case). Compared with `training.plan`'s per-rank total for the same layout (world 2,
+fp32, no reserve). Goal (issue 14): within 10%.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+GB = 1e9
+LAYOUTS = {"zero3": ["deepspeed=zero3"], "zero3_offload": ["deepspeed=zero3", "deepspeed.offload_optimizer=true"]}
+
+
+def rank_child(preset: str, seq: int, layout: str, out: str) -> None:
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from training import balance
+    from training.config import build_model_config, compose
+    from training.distributed import init_distributed
+    from training.engine import build_ds_config, initialize, param_groups
+    from training.metrics.heap import HeapPeak
+    from training.parallel.construct import build_model
+    from training.plan import Hardware, Layout, plan
+
+    torch.set_num_threads(1)
+    info = init_distributed()
+    cfg = compose([f"model={preset}", *LAYOUTS[layout], "parallel.ep_size=2", f"train.seq_len={seq}",
+                   "train.micro_batch_size=1", "train.precision=fp32", "logging=disabled"])
+    mcfg = build_model_config(cfg)
+    ds = build_ds_config(cfg, info.world_size)
+    ids = torch.randint(0, mcfg.vocab_size, (1, seq), generator=torch.Generator().manual_seed(info.rank))
+    heap = HeapPeak()
+    with heap:
+        model, par = build_model(mcfg, 0, 2, 3, ds)
+        groups = par.param_groups(model, param_groups(model, 0.0))
+        engine, _, _ = initialize(cfg, model, ds, groups)
+        for _ in range(2):
+            out = engine(ids, labels=ids)
+            engine.backward(out.loss)
+            engine.step()
+            routing = balance.StepRouting()
+            routing.add(out.router_stats)
+            balance.apply(engine.module.moe_layers(), routing.reduce_global(par.stats_reducer()))
+            del out
+    lay = Layout(zero_stage=3, offload_optimizer=layout == "zero3_offload", ep_size=2, micro_batch_size=1,
+                 seq_len=seq, precision="fp32", reduce_bucket_size=int(cfg.deepspeed.reduce_bucket_size))
+    p = plan(mcfg, lay, Hardware(nodes=1, gpus_per_node=2, reserve_gb=0.0, attention="flash"))
+    rec = {"rank": info.rank, "peak_heap_GB": heap.peak / GB, "est_total_GB": p["gpu_memory_gb"]["total"],
+           "est_terms_GB": p["gpu_memory_gb"], "est_cpu_offload_GB": p["cpu_memory_gb_per_node"] / 2}
+    Path(f"{out}.rank{info.rank}.json").write_text(json.dumps(rec))
+
+
+def _port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def runtime_heap(preset: str, seq: int, env: dict[str, str]) -> float:
+    """The non-tensor runtime heap of one train step of this case (bench/memory.py's measured constant), GB."""
+    r = subprocess.run([sys.executable, "-m", "bench.memory", "--child", preset, str(seq)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=1800)
+    if r.returncode != 0:
+        raise SystemExit(f"bench.memory child failed: {r.stderr.strip().splitlines()[-1:]}")
+    return float(json.loads(r.stdout.strip().splitlines()[-1])["runtime_heap_GB"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", nargs="+", default=["tiny:512", "small:256"])
+    ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    ap.add_argument("--rank-child", nargs=4, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.rank_child:
+        preset, seq, layout, out = a.rank_child
+        rank_child(preset, int(seq), layout, out)
+        return
+    import tempfile
+
+    from bench.common import print_table, write_json
+
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
+               MALLOC_MMAP_THRESHOLD_=os.environ.get("MALLOC_MMAP_THRESHOLD_", "131072"))
+    env.pop("RANK", None)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="k3-memdist-") as d:
+        for case in a.cases:
+            preset, _, seq = case.partition(":")
+            rt = runtime_heap(preset, int(seq), env)
+            for layout in a.layouts:
+                out = os.path.join(d, f"{preset}_{seq}_{layout}")
+                cmd = [str(Path(sys.executable).parent / "deepspeed"), "--no_local_rank", "--num_gpus", "2",
+                       "--master_port", _port(), __file__, "--rank-child", preset, seq, layout, out]
+                p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+                if p.returncode != 0:
+                    raise SystemExit(f"{case} {layout} failed:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
+                for r in range(2):
+                    rec = json.loads(Path(f"{out}.rank{r}.json").read_text())
+                    tensors = rec["peak_heap_GB"] - rt
+                    rows.append({"preset": preset, "seq_len": int(seq), "layout": layout, "rank": r,
+                                 "peak_heap_GB": rec["peak_heap_GB"], "runtime_heap_GB": rt,
+                                 "peak_tensors_GB": tensors, "est_total_GB": rec["est_total_GB"],
+                                 "ratio": tensors / rec["est_total_GB"], "est_terms_GB": rec["est_terms_GB"]})
+                    print(rows[-1], flush=True)
+    print_table("per-rank train-step memory on 2 CPU ranks, ZeRO-3 + EP=2 (fp32, batch 1; GB = 1e9 B; goal 0.9..1.1)",
+                rows, ["preset", "seq_len", "layout", "rank", "peak_heap_GB", "runtime_heap_GB", "peak_tensors_GB",
+                       "est_total_GB", "ratio"])
+    print(f"wrote {write_json('memory_dist', {'rows': rows})}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Sharded construction: no rank materialises a parameter it does not own.
+
+The model is built on the meta device (no memory, even for the 2.78T config), laid out there (training/parallelize.py:
+experts sliced to this rank's E/P, AutoEP tags, dispatcher), then materialised one unit at a time (each decoder
+layer, then the embedding/head/final norms) and, under ZeRO-3, converted at once to ZeRO-3 parameters with
+deepspeed.zero.Init's own conversion (`_partition`): each rank keeps its 1/W partition of every dense tensor and
+its expert-data-parallel partition of its experts. The engine then
+finds partitioned params (`is_zero_init_model`) and does not partition or broadcast again; experts were converted
+over their expert-data-parallel group (`ds_zero_partition_process_group`), which `_resolve_zero3_param_placement`
+checks.
+
+Values: `init_from` reads, per parameter, only the rows covering this rank's partition (model/hf.py HFReader,
+`safe_open(...).get_slice`), into an uninitialised full-size buffer whose untouched pages are never resident;
+fresh runs run each module's `reset_parameters` under a seed derived from (train.seed, module name), so the
+initial weights are the same for every layout (ZeRO stage, EP size, world size). A seeded init is sequential, so
+fresh dense tensors are computed whole, one unit at a time, as zero.Init does.
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from model import K3Config, K3ForCausalLM
+from model.hf import HFReader, target_dtype
+
+
+def module_seed(seed: int, name: str) -> int:
+    """Process-independent seed for module `name` (Python's hash() is salted per process)."""
+    return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 63)
+
+
+def build_meta(config: K3Config) -> K3ForCausalLM:
+    with torch.device("meta"):
+        return K3ForCausalLM(config)
+
+
+def units(model: K3ForCausalLM) -> list[list[tuple[str, nn.Module]]]:
+    """Materialisation units: each decoder layer's modules, then every module outside the layers; modules in
+    reverse pre-order (children before parents, as `init_weights`), so a parent's own init wins."""
+    named = list(model.named_modules())
+    layer_names = [f"model.layers.{i}" for i in range(len(model.model.layers))]
+    out = [[(n, m) for n, m in named if n == ln or n.startswith(ln + ".")] for ln in layer_names]
+    rest = [(n, m) for n, m in named if not any(n == ln or n.startswith(ln + ".") for ln in layer_names)]
+    return [list(reversed(u)) for u in out + [rest]]
+
+
+def owned_range(p: nn.Parameter, zero3: bool) -> tuple[int, int]:
+    """[lo, hi) of p's flattened values this rank keeps: under ZeRO-3 its partition over p's partition group
+    (partition_parameters `_partition_param`: numel padded to a multiple of the group size, equal chunks)."""
+    n = p.numel()
+    if not zero3:
+        return 0, n
+    group = getattr(p, "ds_zero_partition_process_group", None)
+    w, r = dist.get_world_size(group), dist.get_rank(group)
+    size = (n + w - 1) // w
+    return min(n, r * size), min(n, (r + 1) * size)
+
+
+@torch.no_grad()
+def _fill_from_checkpoint(name: str, t: torch.Tensor, reader: HFReader, lo: int, hi: int, offset: int) -> None:
+    """Copy flat values [lo, hi) of model tensor `name` from the checkpoint: rows covering them only."""
+    if hi <= lo:
+        return
+    row = max(1, t.numel() // max(1, t.shape[0])) if t.dim() else 1
+    shape = tuple(t.shape) if t.dim() else (1,)
+    r0, r1 = lo // row, -(-hi // row)
+    rows = reader.read(name, shape, r0, r1, expert_offset=offset).reshape(-1)
+    t.view(-1)[lo:hi].copy_(rows[lo - r0 * row: hi - r0 * row].to(t.dtype))
+
+
+def _partition(init, p: nn.Parameter) -> None:
+    """Make `p` a ZeRO-3 parameter holding only this rank's partition: zero.Init's `_zero_init_param` without its
+    broadcast from rank 0 (partition_parameters: `_convert_to_deepspeed_param`, then `param.partition()`, which
+    copies this rank's range of p.data into ds_tensor and frees the rest). Every rank holds the same values for
+    its own range (same seed, or the same checkpoint rows), so nothing needs broadcasting, and a rank that read only
+    its rows never receives the others' (the broadcast would write, and so make resident, the whole tensor)."""
+    p.data = p.data.to(init.local_device)
+    init._convert_to_deepspeed_param(p)
+    p.partition()
+
+
+def materialise(model: K3ForCausalLM, seed: int, zero3_config: dict[str, Any] | None,
+                reader: HFReader | None = None, dtype: torch.dtype = torch.float32,
+                on_unit: Callable[[int], None] | None = None) -> None:
+    """Give every meta parameter/buffer of `model` its values, unit by unit (see the module docstring).
+    `zero3_config`: the DeepSpeed JSON when ZeRO-3 (params are partitioned as they are made), else None."""
+    zero3 = zero3_config is not None
+    init = None
+    if zero3:
+        import deepspeed
+
+        init = deepspeed.zero.Init(config_dict_or_path=zero3_config, mem_efficient_linear=False)
+
+    for i, unit in enumerate(units(model)):
+        made: list[tuple[str, nn.Module]] = []
+        for name, mod in unit:
+            tensors = list(mod.named_parameters(recurse=False)) + list(mod.named_buffers(recurse=False))
+            if not any(t.is_meta for _, t in tensors):
+                continue
+            for pname, t in tensors:  # untouched pages of torch.empty are never resident
+                full = f"{name}.{pname}" if name else pname
+                new = torch.empty(t.shape, dtype=target_dtype(full, dtype) if t.is_floating_point() else t.dtype)
+                if isinstance(t, nn.Parameter):  # same object (tags, external registrations keep pointing at it)
+                    attrs = dict(t.__dict__)
+                    torch.utils.swap_tensors(t, nn.Parameter(new, requires_grad=t.requires_grad))
+                    t.__dict__.update(attrs)
+                else:
+                    mod._buffers[pname] = new
+            made.append((name, mod))
+        if reader is None:
+            for name, mod in made:  # children first: a parent's reset overrides what it re-initialises
+                if hasattr(mod, "reset_parameters"):
+                    with torch.random.fork_rng(devices=[]):
+                        torch.manual_seed(module_seed(seed, name))
+                        mod.reset_parameters()
+        else:
+            for name, mod in made:
+                offset = int(getattr(mod, "expert_offset", 0))
+                for pname, t in list(mod.named_parameters(recurse=False)) + list(mod.named_buffers(recurse=False)):
+                    full = f"{name}.{pname}" if name else pname
+                    lo, hi = owned_range(t, zero3) if isinstance(t, nn.Parameter) else (0, t.numel())
+                    _fill_from_checkpoint(full, t.data if isinstance(t, nn.Parameter) else t, reader, lo, hi, offset)
+        if zero3:  # after every reset of the unit (a parent re-initialises its children): partition now
+            for _, mod in made:
+                for p in mod.parameters(recurse=False):
+                    _partition(init, p)
+        if on_unit is not None:
+            on_unit(i)
+
+
+
+def build_model(config: K3Config, seed: int, ep_size: int, zero_stage: int, ds_config: dict[str, Any],
+                init_from: str | None = None, expert_files: bool = False):
+    """The laid-out, materialised model of this rank and its Parallelism (training/parallelize.py), built sharded
+    (module docstring): fresh from `seed`, or from the HF checkpoint directory `init_from`."""
+    from training.parallelize import parallelize
+
+    model = build_meta(config)
+    par = parallelize(model, ep_size, zero_stage, expert_files=expert_files)
+    reader = HFReader(init_from) if init_from else None
+    try:
+        materialise(model, seed, ds_config if zero_stage == 3 else None, reader)
+    finally:
+        if reader is not None:
+            par.init_bytes_read = reader.bytes_read
+            reader.close()
+    return model, par
