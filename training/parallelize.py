@@ -185,11 +185,19 @@ def _autoep_class(base: type) -> type:
 def present_as_autoep(moe: nn.Module, num_experts: int, ep_size: int, ep_rank: int, ep_group,
                       edp_group) -> nn.Module:
     """Make a (sliced) LatentMoE an AutoEPMoELayer in place and tag its experts with AutoEP's ZeRO-3 placement."""
-    from deepspeed.checkpoint.autoep_affine import (autoep_experts_for_rank, autoep_placement_to_affine_map,
-                                                    legacy_uniform_autoep_placement_descriptor)
-    from deepspeed.checkpoint.constants import (AFFINE_MAP, AUTOEP_EXPERT_PLACEMENT, AUTOEP_PARAM_EP_RANK,
-                                                AUTOEP_PARAM_LOCAL_EXPERTS, AUTOEP_PARAM_LOGICAL_SHAPE,
-                                                DS_AUTOEP_UC_META)
+    from deepspeed.checkpoint.autoep_affine import (
+        autoep_experts_for_rank,
+        autoep_placement_to_affine_map,
+        legacy_uniform_autoep_placement_descriptor,
+    )
+    from deepspeed.checkpoint.constants import (
+        AFFINE_MAP,
+        AUTOEP_EXPERT_PLACEMENT,
+        AUTOEP_PARAM_EP_RANK,
+        AUTOEP_PARAM_LOCAL_EXPERTS,
+        AUTOEP_PARAM_LOGICAL_SHAPE,
+        DS_AUTOEP_UC_META,
+    )
 
     name, num_local = f"ep_size_{ep_size}", num_experts // ep_size
     moe.__class__ = _autoep_class(type(moe))
@@ -235,10 +243,11 @@ def structural_twin(config: K3Config) -> K3Config:
     """`config` with every width shrunk (same layers, layer types, MoE/AttnRes/MLA structure, parameter names):
     a model that runs a forward in milliseconds whatever the size of the real one."""
     lac = {**config.linear_attn_config, "num_heads": 2, "head_dim": 16}
-    widths: dict[str, Any] = dict(
-        vocab_size=64, hidden_size=32, intermediate_size=32, moe_intermediate_size=16, routed_expert_hidden_size=16,
-        num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
-        v_head_dim=8, linear_attn_config=lac, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    widths: dict[str, Any] = {
+        "vocab_size": 64, "hidden_size": 32, "intermediate_size": 32, "moe_intermediate_size": 16,
+        "routed_expert_hidden_size": 16, "num_attention_heads": 2, "num_key_value_heads": 2, "kv_lora_rank": 16,
+        "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8, "linear_attn_config": lac,
+        "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
     if config.q_lora_rank is not None:
         widths["q_lora_rank"] = 16
     return config.replace(**widths)

@@ -43,7 +43,7 @@ def _released(tmp_path, cfg):
     for i, ks in enumerate(shards):
         name = f"model-{i + 1:05d}-of-00003.safetensors"
         save_file({k: rel[k] for k in ks}, str(out / name))
-        weight_map.update({k: name for k in ks})
+        weight_map.update(dict.fromkeys(ks, name))
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     (out / "config.json").write_text(json.dumps({"model_type": "kimi_k3", "text_config": cfg.to_hf_config()}))
     return out

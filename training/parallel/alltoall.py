@@ -43,7 +43,7 @@ class _ExpertParallelMoE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, z_NL, weight_NK, w1, w3, w2, expert_idx_NK, disp: "AllToAllDispatcher", beta1: float,
+    def forward(ctx, z_NL, weight_NK, w1, w3, w2, expert_idx_NK, disp: AllToAllDispatcher, beta1: float,
                 beta2: float):  # type: ignore[override]
         P, El, group = disp.ep_size, disp.num_local, disp.group
         N, K = expert_idx_NK.shape

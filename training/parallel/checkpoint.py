@@ -16,9 +16,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from training.parallel.universal import convert, is_zero3_checkpoint, model_states_file, restore_buffers
 from training.checkpoint.safe_load import CheckpointError, safe_torch_load
 from training.checkpoint.store import has_expert_files
+from training.parallel.universal import convert, is_zero3_checkpoint, model_states_file, restore_buffers
 
 EXPERT_WEIGHTS = ("w1", "w3", "w2")
 CLIENT_STATE_KEY = "expert_parallel"
@@ -82,7 +82,7 @@ def prepare_resume(par, ds_config: dict[str, Any], tag_dir: str, run_dir: str) -
         raise CheckpointError(f"{tag_dir} is a ZeRO-3 checkpoint and resumes only under ZeRO-3 (any EP size or world "
                               "size); use deepspeed=zero3, or export it (python -m training.export) and start from it "
                               "with model.init_from")
-    if saved is not None and saved["ep_size"] == par.ep_size and saved["world_size"] == world and not os.environ.get("K3_FORCE_UNIVERSAL"):
+    if saved is not None and saved["ep_size"] == par.ep_size and saved["world_size"] == world:
         return ds_config
     par.universal = convert(tag_dir, run_dir, dist.get_rank() == 0 if dist.is_initialized() else True)
     return {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}

@@ -18,7 +18,8 @@ fresh dense tensors are computed whole, one unit at a time, as zero.Init does.
 from __future__ import annotations
 
 import zlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -19,8 +19,8 @@ import sys
 import torch
 from torch import nn
 
-from training.distributed import barrier
 from training.checkpoint.safe_load import CheckpointError, safe_torch_load, verify_checkpoint
+from training.distributed import barrier
 
 UNIVERSAL_DIR = "universal"  # <run_dir>/universal/<tag>: the converted copy of a resumed checkpoint
 

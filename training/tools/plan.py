@@ -58,11 +58,13 @@ class Layout:
     reduce_bucket_size: int = 50_000_000
 
 
-def state_bytes_per_param(precision: str) -> dict[str, int]:
-    """Mixed precision (ZeRO paper): bf16 weights 2 + bf16 grads 2 + fp32 master, m, v 12. fp32: 4 + 4 + m, v 8."""
+def state_bytes_per_param(precision: str, zero_stage: int = 0) -> dict[str, int]:
+    """Mixed precision (ZeRO paper): bf16 weights 2 + bf16 grads 2 + fp32 master, m, v 12. fp32: 4 + 4 + m, v 8,
+    and with a ZeRO optimizer (stage >= 1) its own fp32 master partition too (stage_1_and_2 / stage3
+    `_create_fp32_partitions` copy the fp32 weights even when they are fp32 already): optimizer 12."""
     if precision == "bf16":
         return {"weights": 2, "grads": 2, "optimizer": 12}
-    return {"weights": 4, "grads": 4, "optimizer": 8}
+    return {"weights": 4, "grads": 4, "optimizer": 12 if zero_stage >= 1 else 8}
 
 
 def grads_persist(layout: Layout) -> bool:
@@ -105,7 +107,7 @@ def plan(config, layout: Layout, hw: Hardware, breakdown: dict[str, int] | None 
     n_expert = bd["moe_routed_experts"]
     n_dense = bd["total"] - n_expert
     dp_dense, dp_expert = W, W // ep  # data-parallel group of dense params; of each expert shard
-    per = state_bytes_per_param(layout.precision)
+    per = state_bytes_per_param(layout.precision, z)
     params = {"dense": n_dense, "expert": n_expert / ep}
 
     def shard(stage_min: int) -> float:
