@@ -134,7 +134,7 @@ def test_zero3_ep2_checkpoint_resumes_at_ep1_on_one_rank_exactly(jobs):
 
 def test_export_of_zero3_ep2_checkpoint_equals_the_gathered_model(jobs, tmp_path):
     from model import load_hf_checkpoint
-    from training.export import export_checkpoint
+    from training.tools.export import export_checkpoint
 
     gathered = torch.load(jobs["z3ep2"].run_dir / "gathered.pt", weights_only=True)
     out = export_checkpoint(str(_step_dir(jobs["z3ep2"], STEPS)), str(tmp_path / "hf"))

@@ -56,6 +56,7 @@ class Layout:
     activation_checkpointing: bool = False
     precision: str = "bf16"  # bf16 | fp32
     reduce_bucket_size: int = 50_000_000
+    overlap_comm: bool = False
 
 
 def state_bytes_per_param(precision: str, zero_stage: int = 0) -> dict[str, int]:
@@ -121,11 +122,14 @@ def plan(config, layout: Layout, hw: Hardware, breakdown: dict[str, int] | None 
         "grads": g_local * per["grads"],
         "optimizer": 0.0 if layout.offload_optimizer else o_local * per["optimizer"],
     }
-    cpu_per_gpu = (o_local * per["optimizer"] if layout.offload_optimizer else 0.0) + (
+    # ZeRO-Offload also keeps an fp32 gradient partition beside the CPU optimizer (measured: bench/memory_dist.py)
+    cpu_per_gpu = (o_local * (per["optimizer"] + 4) if layout.offload_optimizer else 0.0) + (
         w_local * per["weights"] if layout.offload_param else 0.0)
     if z == 3:  # gathered working set: the layer being computed + the prefetched next one
         gpu["zero3_gathered"] = 2.0 * _largest_unit(config, bd, ep) * per["weights"]
-    gpu["comm_buckets"] = 2.0 * layout.reduce_bucket_size * per["grads"]
+    # ZeRO-3 reduces through one bucket unless overlap_comm double-buffers it (measured: bench/memory_dist.py)
+    n_buckets = 1.0 if z == 3 and not layout.overlap_comm else 2.0
+    gpu["comm_buckets"] = n_buckets * layout.reduce_bucket_size * per["grads"]
     act_b = 2 if layout.precision == "bf16" else 4
     acts = activation_bytes(config, layout.micro_batch_size, layout.seq_len, act_b,
                             layout.activation_checkpointing, hw.attention)
@@ -277,7 +281,8 @@ def from_overrides(argv: Sequence[str]) -> tuple[Any, Layout, Hardware, dict[str
                     micro_batch_size=int(cfg.train.micro_batch_size), seq_len=int(cfg.train.seq_len),
                     grad_accum=int(cfg.train.grad_accum),
                     activation_checkpointing=bool(cfg.train.activation_checkpointing), precision=precision,
-                    reduce_bucket_size=int(cfg.deepspeed.reduce_bucket_size))
+                    reduce_bucket_size=int(cfg.deepspeed.reduce_bucket_size),
+                    overlap_comm=bool(cfg.deepspeed.overlap_comm))
     warnings = []
     try:
         validate(cfg, hw.world)
