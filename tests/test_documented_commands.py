@@ -31,6 +31,9 @@ EXEMPT = {
     "python -m bench.startup --launcher": "times cold and cached starts (minutes); tests/training/test_entry_points.py"
                                           " and tests/distributed start the same jobs",
     "OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu .venv/bin/python -m bench.startup --reps 2 --launcher": "as above",
+    "python -m bench.sharded_start": "a 1.7 GB checkpoint through 1- and 2-rank jobs (minutes, ~20 GB RAM); "
+                                     "tests/distributed/test_zero3_ep.py checks the sharded start it measures",
+    "python -m bench.memory_dist": "2-rank ZeRO-3 jobs on tiny and small (minutes); bench/results/memory_dist.json",
     "OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu .venv/bin/python -m bench.kda --threads 1 --fla-path /tmp/fla/pkg":
         "needs fla-core's wheel unpacked at /tmp/fla/pkg (no network in CI); bench.kda itself runs above",
 }
