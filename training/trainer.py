@@ -50,6 +50,10 @@ DeepSpeed copies `zero_to_fp32.py` next to its checkpoints. It fails on expert-p
 `parallel.ep_size > 1` store one `layer_*_expert_*_model_states.pt` file per expert, which it reads as a model
 state file: "... is not a model state checkpoint"), and DeepSpeed's `ds_to_universal` refuses them too (no
 `universal_checkpoint_info`). `training.export` consolidates the per-expert files by global expert id.
+
+ZeRO-3 checkpoints (any `parallel.ep_size`) hold the experts inside the ZeRO shards ("zero3_partitioned"):
+`zero_to_fp32.py` refuses them and `python -m deepspeed.checkpoint.ds_to_universal` consolidates them, which is what
+`training.export` (and a resume at another EP size or world size) runs.
 """
 
 
