@@ -4,6 +4,7 @@ The machines are shared and noisy, so a benchmark reports the median of several 
 (min..max) and compares against a peer measured *in the same run* (a ratio), never an absolute wall-clock goal.
 `peak_matmul_flops` measures the large-fp32-matmul rate of this machine, the denominator of "CPU MFU".
 """
+
 from __future__ import annotations
 
 import json
@@ -56,8 +57,9 @@ def time_fn(fn: Callable[[], Any], reps: int = 5, warmup: int = 1) -> Timing:
     return Timing(statistics.median(times), min(times), max(times), reps)
 
 
-def time_interleaved(fns: dict[str, Callable[[], Any]], reps: int | dict[str, int] = 5,
-                     warmup: int = 1) -> dict[str, Timing]:
+def time_interleaved(
+    fns: dict[str, Callable[[], Any]], reps: int | dict[str, int] = 5, warmup: int = 1
+) -> dict[str, Timing]:
     """Time several peers round-robin (one call of each per round), so load changes hit them all alike.
 
     `reps` may be a per-peer dict (a slow peer can take fewer rounds than a fast one).
@@ -78,13 +80,14 @@ def time_interleaved(fns: dict[str, Callable[[], Any]], reps: int | dict[str, in
     return {name: Timing(statistics.median(t), min(t), max(t), len(t)) for name, t in times.items()}
 
 
-def peak_matmul_flops(n: int = 2048, reps: int = 5, dtype: torch.dtype = torch.float32,
-                      device: str | torch.device = "cpu") -> float:
+def peak_matmul_flops(
+    n: int = 2048, reps: int = 5, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> float:
     """FLOP/s of a large square matmul (2 n^3 FLOPs per call), median of `reps`: this machine's practical peak."""
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
     t = time_fn(lambda: a @ b, reps=reps, warmup=1)
-    return 2 * n ** 3 / t.median
+    return 2 * n**3 / t.median
 
 
 def machine_info() -> dict[str, Any]:

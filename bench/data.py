@@ -13,6 +13,7 @@ Peers, all in this process with the default DataConfig (embedded stdlib corpus, 
   (flattened to [1, 2048] with its cu_seqlens), all torch threads: the training consumption rate.
 Steady pipeline and model steps are timed round-robin so machine load hits both alike. Goal: >= 20x.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -97,26 +98,53 @@ def main() -> None:
     stats = steady.stats()
 
     rows = [
-        {"peer": "pipeline steady (1 core)", "tokens_per_s": pipe_tps, "x_model": pipe_tps / model_tps,
-         "spread": times["pipeline"].spread},
-        {"peer": f"pipeline fresh ({a.fresh_tokens / 1e6:.1f}M tok, incl. start)", "tokens_per_s": fresh_tps,
-         "x_model": fresh_tps / model_tps, "spread": (max(fresh) - min(fresh)) / fresh_tps},
+        {
+            "peer": "pipeline steady (1 core)",
+            "tokens_per_s": pipe_tps,
+            "x_model": pipe_tps / model_tps,
+            "spread": times["pipeline"].spread,
+        },
+        {
+            "peer": f"pipeline fresh ({a.fresh_tokens / 1e6:.1f}M tok, incl. start)",
+            "tokens_per_s": fresh_tps,
+            "x_model": fresh_tps / model_tps,
+            "spread": (max(fresh) - min(fresh)) / fresh_tps,
+        },
     ]
     if "model" in times:
-        rows.append({"peer": "tiny model fwd+bwd+AdamW [8x256]", "tokens_per_s": model_tps, "x_model": 1.0,
-                     "spread": times["model"].spread})
+        rows.append(
+            {
+                "peer": "tiny model fwd+bwd+AdamW [8x256]",
+                "tokens_per_s": model_tps,
+                "x_model": 1.0,
+                "spread": times["model"].spread,
+            }
+        )
     print_table("data pipeline vs tiny-model training consumption", rows)
-    print(f"corpus: {corpus.name}, {n_docs} documents, {corpus.stat().st_size / 1e6:.2f} MB; prepare "
-          f"(corpus+tokenizer, cached after first use) {prepare_s:.2f} s; resume latency {resume_s:.2f} s")
-    path = write_json("data", {
-        "seq_len": SEQ, "micro_batch": MICRO, "rows": rows, "pipeline_timing": times["pipeline"].as_dict(),
-        "model_timing": times["model"].as_dict() if "model" in times else None, "fresh_rates": fresh,
-        "resume_latency_s": resume_s,
-        "prepare_s": prepare_s, "corpus": {"file": corpus.name, "documents": n_docs,
-                                           "bytes": corpus.stat().st_size},
-        "tokenizer": {"vocab_size": tok.vocab_size, "sha256_16": tok.fingerprint},
-        "goal_x": 20.0, "steady_x": pipe_tps / model_tps, "fresh_x": fresh_tps / model_tps,
-        "loader_stats_at_end": stats, "torch_threads": torch.get_num_threads()})
+    print(
+        f"corpus: {corpus.name}, {n_docs} documents, {corpus.stat().st_size / 1e6:.2f} MB; prepare "
+        f"(corpus+tokenizer, cached after first use) {prepare_s:.2f} s; resume latency {resume_s:.2f} s"
+    )
+    path = write_json(
+        "data",
+        {
+            "seq_len": SEQ,
+            "micro_batch": MICRO,
+            "rows": rows,
+            "pipeline_timing": times["pipeline"].as_dict(),
+            "model_timing": times["model"].as_dict() if "model" in times else None,
+            "fresh_rates": fresh,
+            "resume_latency_s": resume_s,
+            "prepare_s": prepare_s,
+            "corpus": {"file": corpus.name, "documents": n_docs, "bytes": corpus.stat().st_size},
+            "tokenizer": {"vocab_size": tok.vocab_size, "sha256_16": tok.fingerprint},
+            "goal_x": 20.0,
+            "steady_x": pipe_tps / model_tps,
+            "fresh_x": fresh_tps / model_tps,
+            "loader_stats_at_end": stats,
+            "torch_threads": torch.get_num_threads(),
+        },
+    )
     print(f"wrote {path}")
 
 

@@ -10,11 +10,11 @@ of every input gradient vs the PyTorch chunked path in fp32. Train step: small p
 the datasheet dense bf16 peak (training.metrics.system.GPU_PEAK_BF16), and over a 8192^3 bf16 matmul measured
 in the same run. Peak memory: torch.cuda.max_memory_allocated vs training.plan (ZeRO-0, 1 GPU, bf16, flash).
 """
+
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 import time
@@ -64,6 +64,7 @@ def kda_check(T: int, H: int, K: int, reps: int, dev: str = "cuda") -> list[dict
                 x.grad = None
             o, _ = chunk_kda(*xs)
             (o.float() * do).sum().backward()
+
         o, _ = chunk_kda(*xs)
         (o.float() * do).sum().backward()
         return o.detach(), [x.grad.detach().clone() for x in xs], step
@@ -72,21 +73,47 @@ def kda_check(T: int, H: int, K: int, reps: int, dev: str = "cuda") -> list[dict
         o_ref, g_ref, _ = run(torch.float32)
         o_pt, g_pt, step_pt = run(torch.bfloat16)
         t_pt = time_fn(step_pt, reps=reps, warmup=1)
-    rows = [{"check": f"KDA torch-chunk bf16 fwd+bwd T={T} H={H} K={K}", "value": t_pt.median * 1e3, "unit": "ms",
-             "spread": t_pt.spread, "note": f"err o {_rel(o_pt, o_ref):.1e}, grads max "
-                                           f"{max(_rel(a, b) for a, b in zip(g_pt, g_ref)):.1e} vs fp32"}]
+    rows = [
+        {
+            "check": f"KDA torch-chunk bf16 fwd+bwd T={T} H={H} K={K}",
+            "value": t_pt.median * 1e3,
+            "unit": "ms",
+            "spread": t_pt.spread,
+            "note": f"err o {_rel(o_pt, o_ref):.1e}, grads max "
+            f"{max(_rel(a, b) for a, b in zip(g_pt, g_ref)):.1e} vs fp32",
+        }
+    ]
     if _fla_kda() is None:
-        rows.append({"check": "KDA fla kernel", "value": None, "unit": "",
-                     "note": "fla not importable (pip install flash-linear-attention; needs triton): skipped"})
+        rows.append(
+            {
+                "check": "KDA fla kernel",
+                "value": None,
+                "unit": "",
+                "note": "fla not importable (pip install flash-linear-attention; needs triton): skipped",
+            }
+        )
         return rows
     o_fla, g_fla, step_fla = run(torch.bfloat16)  # chunk_kda dispatches to fla for CUDA bf16 tensors
     t_fla = time_fn(step_fla, reps=reps, warmup=1)
     errs = [_rel(o_fla, o_ref)] + [_rel(a, b) for a, b in zip(g_fla, g_ref)]
-    rows.append({"check": f"KDA fla bf16 fwd+bwd T={T} H={H} K={K}", "value": t_fla.median * 1e3, "unit": "ms",
-                 "spread": t_fla.spread, "note": f"err o {errs[0]:.1e}, grads max {max(errs[1:]):.1e} vs fp32; "
-                                                 f"{'OK' if max(errs) < 3e-2 else 'MISMATCH'}"})
-    rows.append({"check": "KDA fla speed-up over torch-chunk", "value": t_pt.median / t_fla.median, "unit": "x",
-                 "note": "same inputs, same run"})
+    rows.append(
+        {
+            "check": f"KDA fla bf16 fwd+bwd T={T} H={H} K={K}",
+            "value": t_fla.median * 1e3,
+            "unit": "ms",
+            "spread": t_fla.spread,
+            "note": f"err o {errs[0]:.1e}, grads max {max(errs[1:]):.1e} vs fp32; "
+            f"{'OK' if max(errs) < 3e-2 else 'MISMATCH'}",
+        }
+    )
+    rows.append(
+        {
+            "check": "KDA fla speed-up over torch-chunk",
+            "value": t_pt.median / t_fla.median,
+            "unit": "x",
+            "note": "same inputs, same run",
+        }
+    )
     return rows
 
 
@@ -124,22 +151,42 @@ def train_check(seq: int, batch: int, steps: int, dev: str = "cuda", preset: str
     sheet = (gpu_peak_flops(torch.cuda.get_device_name(0)) or 0.0) if cuda else 0.0
     n_mm = 8192 if cuda else 512
     measured = peak_matmul_flops(n_mm, reps=5, dtype=torch.bfloat16, device=dev)
-    est = plan(cfg, Layout(zero_stage=0, micro_batch_size=batch, seq_len=seq, precision="bf16", reduce_bucket_size=0),
-               Hardware(nodes=1, gpus_per_node=1, reserve_gb=0.0, attention="flash"))
+    est = plan(
+        cfg,
+        Layout(zero_stage=0, micro_batch_size=batch, seq_len=seq, precision="bf16", reduce_bucket_size=0),
+        Hardware(nodes=1, gpus_per_node=1, reserve_gb=0.0, attention="flash"),
+    )
     # the planner counts fp32 master weights + Adam state (12 B/param); this check keeps bf16 AdamW state (4 B) and,
     # as plain PyTorch with set_to_none, creates the gradients during backward (they do not persist)
     n = sum(p.numel() for p in model.parameters())
     terms = {k: v * 1e9 for k, v in est["gpu_memory_gb"].items() if k != "total"} | {"optimizer": n * 4.0}
     est_b = peak_bytes(terms, grads_persist=False)
     return [
-        {"check": f"{preset} train step bf16 B={batch} T={seq}", "value": t.median, "unit": "s", "spread": t.spread,
-         "note": f"{tok_s:,.0f} tokens/s"},
-        {"check": f"{preset} MFU vs datasheet bf16 peak", "value": tok_s * fpt / sheet if sheet else None, "unit": "",
-         "note": f"goal >= 0.45; peak {sheet / 1e12:.0f} TFLOP/s" if sheet else "unknown device peak"},
-        {"check": f"{preset} MFU vs measured bf16 matmul", "value": tok_s * fpt / measured, "unit": "",
-         "note": f"{n_mm}^3 bf16 matmul {measured / 1e12:.3g} TFLOP/s"},
-        {"check": f"{preset} peak memory", "value": peak_mem / 1e9, "unit": "GB",
-         "note": f"planner {est_b / 1e9:.2f} GB (bf16 Adam state) -> ratio {peak_mem / est_b:.2f}"},
+        {
+            "check": f"{preset} train step bf16 B={batch} T={seq}",
+            "value": t.median,
+            "unit": "s",
+            "spread": t.spread,
+            "note": f"{tok_s:,.0f} tokens/s",
+        },
+        {
+            "check": f"{preset} MFU vs datasheet bf16 peak",
+            "value": tok_s * fpt / sheet if sheet else None,
+            "unit": "",
+            "note": f"goal >= 0.45; peak {sheet / 1e12:.0f} TFLOP/s" if sheet else "unknown device peak",
+        },
+        {
+            "check": f"{preset} MFU vs measured bf16 matmul",
+            "value": tok_s * fpt / measured,
+            "unit": "",
+            "note": f"{n_mm}^3 bf16 matmul {measured / 1e12:.3g} TFLOP/s",
+        },
+        {
+            "check": f"{preset} peak memory",
+            "value": peak_mem / 1e9,
+            "unit": "GB",
+            "note": f"planner {est_b / 1e9:.2f} GB (bf16 Adam state) -> ratio {peak_mem / est_b:.2f}",
+        },
     ]
 
 
@@ -152,25 +199,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--cpu-dry-run", action="store_true",
-                    help="exercise the script's code on CPU at toy sizes (tiny preset); numbers mean nothing")
+    ap.add_argument(
+        "--cpu-dry-run",
+        action="store_true",
+        help="exercise the script's code on CPU at toy sizes (tiny preset); numbers mean nothing",
+    )
     args = ap.parse_args(argv)
     dev, preset = ("cpu", "tiny") if args.cpu_dry_run else ("cuda", "small")
     if dev == "cuda" and not torch.cuda.is_available():
-        print(f"error: no CUDA device (torch {torch.__version__}, cuda build {torch.version.cuda}); bench/gpu.sh "
-              "needs one NVIDIA GPU and a CUDA build of torch (set PYTHON=...)", file=sys.stderr)
+        print(
+            f"error: no CUDA device (torch {torch.__version__}, cuda build {torch.version.cuda}); bench/gpu.sh "
+            "needs one NVIDIA GPU and a CUDA build of torch (set PYTHON=...)",
+            file=sys.stderr,
+        )
         return 2
     torch.backends.cuda.matmul.allow_tf32 = True
     rows: list[dict[str, Any]] = []
     t0 = time.time()
-    for name, fn in (("kda", lambda: kda_check(args.T, args.H, args.K, args.reps, dev)),
-                     ("train", lambda: train_check(args.seq, args.batch, args.steps, dev, preset))):
+    for name, fn in (
+        ("kda", lambda: kda_check(args.T, args.H, args.K, args.reps, dev)),
+        ("train", lambda: train_check(args.seq, args.batch, args.steps, dev, preset)),
+    ):
         try:
             rows += fn()
         except Exception as e:  # noqa: BLE001 - keep going: the table must still print
             traceback.print_exc()
-            rows.append({"check": f"{name} FAILED", "value": None, "unit": "",
-                         "note": f"{type(e).__name__}: {e}"[:150]})
+            rows.append(
+                {"check": f"{name} FAILED", "value": None, "unit": "", "note": f"{type(e).__name__}: {e}"[:150]}
+            )
         if dev == "cuda":
             torch.cuda.empty_cache()
     info = machine_info()

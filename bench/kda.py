@@ -11,6 +11,7 @@ default of docs/model.md §3 and fla), 32 and 16 are timed side by side: the res
 (on CPU the intra-chunk work grows with C while the sequential steps shrink). All peers are timed round-robin in
 the same process so machine load affects them alike; medians and spread (max-min)/median are reported.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,9 @@ from model.kda.naive import naive_recurrent_kda
 from model.kda.ops import chunk_kda
 
 
-def make_inputs(T: int, H: int = 4, K: int = 64, V: int = 64, dtype: torch.dtype = torch.float32,
-                seed: int = 0) -> list[torch.Tensor]:
+def make_inputs(
+    T: int, H: int = 4, K: int = 64, V: int = 64, dtype: torch.dtype = torch.float32, seed: int = 0
+) -> list[torch.Tensor]:
     """Inputs in the model's range: L2-normed q/k, g in (-5, 0) (the K3 bound), beta in (0, 1)."""
     gen = torch.Generator().manual_seed(seed)
     q = F.normalize(torch.randn(1, T, H, K, generator=gen, dtype=dtype), dim=-1)
@@ -45,6 +47,7 @@ def fwd_bwd(fn: Callable[..., Any], xs: list[torch.Tensor], **kw: Any) -> Callab
             x.grad = None
         o, _ = fn(*xs, **kw)
         o.float().sum().backward()
+
     return step
 
 
@@ -78,17 +81,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--T", type=int, nargs="+", default=[512, 2048, 8192])
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--dim", type=int, default=64, help="K = V")
-    ap.add_argument("--chunk-sizes", type=int, nargs="+", default=[64, 32, 16],
-                    help="chunk sizes to time (the first is the headline; the result is the same for all)")
+    ap.add_argument(
+        "--chunk-sizes",
+        type=int,
+        nargs="+",
+        default=[64, 32, 16],
+        help="chunk sizes to time (the first is the headline; the result is the same for all)",
+    )
     ap.add_argument("--reps", type=int, default=7, help="repetitions of the chunked path (median reported)")
     ap.add_argument("--loop-reps", type=int, default=3, help="repetitions of the recurrent loop (slow)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
     ap.add_argument("--out", default="kda", help="results name: bench/results/<out>.json")
-    ap.add_argument("--fla-path", default=None,
-                    help="directory with an unpacked fla-core wheel (fla/ops/kda/naive.py; einops beside it if it is "
-                         "not installed) to time fla's naive_chunk_kda without installing fla")
-    ap.add_argument("--quick", action="store_true",
-                    help="T = 2048, chunk 64 only, 3 chunked reps and 1 loop rep, results name kda_quick")
+    ap.add_argument(
+        "--fla-path",
+        default=None,
+        help="directory with an unpacked fla-core wheel (fla/ops/kda/naive.py; einops beside it if it is "
+        "not installed) to time fla's naive_chunk_kda without installing fla",
+    )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="T = 2048, chunk 64 only, 3 chunked reps and 1 loop rep, results name kda_quick",
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.T, args.chunk_sizes, args.reps, args.loop_reps = [2048], [64], 3, 1
@@ -101,9 +115,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = []
     for T in args.T:
         xs = make_inputs(T, args.heads, args.dim, args.dim)
-        peers: dict[str, Callable[[], None]] = {f"chunk{C}": fwd_bwd(chunk_kda, xs, chunk_size=C)
-                                                for C in args.chunk_sizes}
-        reps = {name: args.reps for name in peers}
+        peers: dict[str, Callable[[], None]] = {
+            f"chunk{C}": fwd_bwd(chunk_kda, xs, chunk_size=C) for C in args.chunk_sizes
+        }
+        reps = dict.fromkeys(peers, args.reps)
         peers["recurrent"] = fwd_bwd(naive_recurrent_kda, xs)
         reps["recurrent"] = max(1, args.loop_reps if T <= 2048 else args.loop_reps // 2)
         if fla_naive is not None:
@@ -130,9 +145,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             cols += [f"fla_naive/chunk{C}"]
     if fla_naive is not None:
         cols += ["fla_naive_ms"]
-    print_table(f"KDA fwd+bwd, B=1 H={args.heads} K=V={args.dim}, fp32, {torch.get_num_threads()} threads; "
-                f"peak fp32 matmul {peak / 1e9:.1f} GFLOP/s"
-                + ("" if fla_naive is not None else "; fla not installed: naive_chunk_kda peer skipped"), rows, cols)
+    print_table(
+        f"KDA fwd+bwd, B=1 H={args.heads} K=V={args.dim}, fp32, {torch.get_num_threads()} threads; "
+        f"peak fp32 matmul {peak / 1e9:.1f} GFLOP/s"
+        + ("" if fla_naive is not None else "; fla not installed: naive_chunk_kda peer skipped"),
+        rows,
+        cols,
+    )
     payload = {"config": vars(args), "peak_matmul_flops": peak, "fla_naive": fla_naive is not None, "rows": rows}
     path = write_json(args.out, payload)
     print(f"wrote {path}")

@@ -17,6 +17,7 @@ bwd + AdamW; the first allocates the optimizer state). Comparisons, each a ratio
 - rss: peak RSS minus the pre-model baseline and the process's runtime growth (`runtime`: that heap plus library
   pages mapped lazily by the first kernels; on a GPU the planner's `reserve` covers the like), for completeness.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,8 +50,8 @@ def child(preset: str, seq_len: int) -> dict[str, float]:
     import torch
 
     from model import K3Config, K3ForCausalLM
-    from training.tools.activation_memory import activation_bytes
     from training.metrics.heap import HeapPeak
+    from training.tools.activation_memory import activation_bytes
     from training.tools.plan import Hardware, Layout, plan
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -95,15 +96,28 @@ def child(preset: str, seq_len: int) -> dict[str, float]:
     saved = sum(b for ptr, b in seen.items() if ptr not in params)
     peak_rss = _peak_rss_bytes() - base
     est_act = activation_bytes(cfg, 1, seq_len, 4, False, ATTENTION)["total"]
-    p = plan(cfg, Layout(zero_stage=0, micro_batch_size=1, seq_len=seq_len, precision="fp32", reduce_bucket_size=0),
-             Hardware(nodes=1, gpus_per_node=1, reserve_gb=0.0, attention=ATTENTION))
+    p = plan(
+        cfg,
+        Layout(zero_stage=0, micro_batch_size=1, seq_len=seq_len, precision="fp32", reduce_bucket_size=0),
+        Hardware(nodes=1, gpus_per_node=1, reserve_gb=0.0, attention=ATTENTION),
+    )
     est_total = p["gpu_memory_gb"]["total"] * GB
-    return {"params_M": n_params / 1e6, "static_GB": n_params * 16 / GB, "saved_act_GB": saved / GB,
-            "est_act_GB": est_act / GB, "act_ratio": saved / est_act, "fwd_end_GB": after_fwd / GB,
-            "peak_heap_GB": heap.peak / GB, "runtime_heap_GB": runtime_heap / GB,
-            "peak_tensors_GB": (heap.peak - runtime_heap) / GB, "est_total_GB": est_total / GB,
-            "peak_ratio": (heap.peak - runtime_heap) / est_total, "peak_rss_GB": peak_rss / GB,
-            "runtime_GB": (runtime + runtime_heap) / GB, "rss_ratio": (peak_rss - runtime - runtime_heap) / est_total}
+    return {
+        "params_M": n_params / 1e6,
+        "static_GB": n_params * 16 / GB,
+        "saved_act_GB": saved / GB,
+        "est_act_GB": est_act / GB,
+        "act_ratio": saved / est_act,
+        "fwd_end_GB": after_fwd / GB,
+        "peak_heap_GB": heap.peak / GB,
+        "runtime_heap_GB": runtime_heap / GB,
+        "peak_tensors_GB": (heap.peak - runtime_heap) / GB,
+        "est_total_GB": est_total / GB,
+        "peak_ratio": (heap.peak - runtime_heap) / est_total,
+        "peak_rss_GB": peak_rss / GB,
+        "runtime_GB": (runtime + runtime_heap) / GB,
+        "rss_ratio": (peak_rss - runtime - runtime_heap) / est_total,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -119,22 +133,49 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = []
     # fixed mmap threshold: glibc then returns every large block on free, so RSS tracks live tensors (its
     # default dynamic threshold keeps freed temporaries up to 32 MiB in the heap and RSS overstates the peak)
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-               MALLOC_MMAP_THRESHOLD_=os.environ.get("MALLOC_MMAP_THRESHOLD_", "131072"))
+    env = dict(
+        os.environ,
+        DS_ACCELERATOR="cpu",
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+        MALLOC_MMAP_THRESHOLD_=os.environ.get("MALLOC_MMAP_THRESHOLD_", "131072"),
+    )
     for case in args.cases:
         preset, _, seq = case.partition(":")
         if not seq.isdigit():
             raise SystemExit(f"--cases item {case!r} must be preset:seq_len, e.g. tiny:1024")
-        r = subprocess.run([sys.executable, "-m", "bench.memory", "--child", preset, seq], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=1800)
+        r = subprocess.run(
+            [sys.executable, "-m", "bench.memory", "--child", preset, seq],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
         if r.returncode != 0:
             raise SystemExit(f"memory child {case} failed ({r.returncode}): {r.stderr.strip().splitlines()[-1:]}")
         rows.append({"preset": preset, "seq_len": int(seq), **json.loads(r.stdout.strip().splitlines()[-1])})
         print(f"{case}: {rows[-1]}", flush=True)
-    print_table("train-step memory, measured vs planner (fp32, batch 1, 1 process; GB = 1e9 B; goal ratio 0.9..1.1)",
-                rows, ["preset", "seq_len", "params_M", "static_GB", "saved_act_GB", "est_act_GB", "act_ratio",
-                       "peak_heap_GB", "runtime_heap_GB", "peak_tensors_GB", "est_total_GB", "peak_ratio", "peak_rss_GB",
-                       "runtime_GB", "rss_ratio"])
+    print_table(
+        "train-step memory, measured vs planner (fp32, batch 1, 1 process; GB = 1e9 B; goal ratio 0.9..1.1)",
+        rows,
+        [
+            "preset",
+            "seq_len",
+            "params_M",
+            "static_GB",
+            "saved_act_GB",
+            "est_act_GB",
+            "act_ratio",
+            "peak_heap_GB",
+            "runtime_heap_GB",
+            "peak_tensors_GB",
+            "est_total_GB",
+            "peak_ratio",
+            "peak_rss_GB",
+            "runtime_GB",
+            "rss_ratio",
+        ],
+    )
     payload = {"rows": rows}
     print(f"wrote {write_json('memory', payload)}")
     return payload

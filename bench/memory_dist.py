@@ -13,6 +13,7 @@ same measured constant bench/memory.py subtracts: BLAS/oneDNN workspaces, autogr
 fp32, no reserve; on a CPU the offloaded optimizer state is in the same memory, so it is added). Goal (issue 14):
 within 10%.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,17 @@ def rank_child(preset: str, seq: int, layout: str, out: str) -> None:
 
     torch.set_num_threads(1)
     info = init_distributed()
-    cfg = compose([f"model={preset}", *LAYOUTS[layout], "parallel.ep_size=2", f"train.seq_len={seq}",
-                   "train.micro_batch_size=1", "train.precision=fp32", "logging=disabled"])
+    cfg = compose(
+        [
+            f"model={preset}",
+            *LAYOUTS[layout],
+            "parallel.ep_size=2",
+            f"train.seq_len={seq}",
+            "train.micro_batch_size=1",
+            "train.precision=fp32",
+            "logging=disabled",
+        ]
+    )
     mcfg = build_model_config(cfg)
     ds = build_ds_config(cfg, info.world_size)
     ids = torch.randint(0, mcfg.vocab_size, (1, seq), generator=torch.Generator().manual_seed(info.rank))
@@ -60,13 +70,24 @@ def rank_child(preset: str, seq: int, layout: str, out: str) -> None:
             routing.add(res.router_stats)
             balance.apply(engine.module.moe_layers(), routing.reduce_global(par.stats_reducer()))
             del res
-    lay = Layout(zero_stage=3, offload_optimizer=layout == "zero3_offload", ep_size=2, micro_batch_size=1,
-                 seq_len=seq, precision="fp32", reduce_bucket_size=int(cfg.deepspeed.reduce_bucket_size))
+    lay = Layout(
+        zero_stage=3,
+        offload_optimizer=layout == "zero3_offload",
+        ep_size=2,
+        micro_batch_size=1,
+        seq_len=seq,
+        precision="fp32",
+        reduce_bucket_size=int(cfg.deepspeed.reduce_bucket_size),
+    )
     p = plan(mcfg, lay, Hardware(nodes=1, gpus_per_node=2, reserve_gb=0.0, attention="flash"))
     # on a CPU the "device" and the offload target are the same memory: the rank's total is both
-    rec = {"rank": info.rank, "peak_heap_GB": heap.peak / GB,
-           "est_total_GB": p["gpu_memory_gb"]["total"] + p["cpu_memory_gb_per_node"] / 2,
-           "est_terms_GB": p["gpu_memory_gb"], "est_cpu_offload_GB": p["cpu_memory_gb_per_node"] / 2}
+    rec = {
+        "rank": info.rank,
+        "peak_heap_GB": heap.peak / GB,
+        "est_total_GB": p["gpu_memory_gb"]["total"] + p["cpu_memory_gb_per_node"] / 2,
+        "est_terms_GB": p["gpu_memory_gb"],
+        "est_cpu_offload_GB": p["cpu_memory_gb_per_node"] / 2,
+    }
     Path(f"{out}.rank{info.rank}.json").write_text(json.dumps(rec))
 
 
@@ -78,8 +99,14 @@ def _port() -> str:
 
 def runtime_heap(preset: str, seq: int, env: dict[str, str]) -> float:
     """The non-tensor runtime heap of one train step of this case (bench/memory.py's measured constant), GB."""
-    r = subprocess.run([sys.executable, "-m", "bench.memory", "--child", preset, str(seq)], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=1800)
+    r = subprocess.run(
+        [sys.executable, "-m", "bench.memory", "--child", preset, str(seq)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     if r.returncode != 0:
         raise SystemExit(f"bench.memory child failed: {r.stderr.strip().splitlines()[-1:]}")
     return float(json.loads(r.stdout.strip().splitlines()[-1])["runtime_heap_GB"])
@@ -99,8 +126,13 @@ def main() -> None:
 
     from bench.common import print_table, write_json
 
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
-               MALLOC_MMAP_THRESHOLD_=os.environ.get("MALLOC_MMAP_THRESHOLD_", "131072"))
+    env = dict(
+        os.environ,
+        DS_ACCELERATOR="cpu",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(ROOT),
+        MALLOC_MMAP_THRESHOLD_=os.environ.get("MALLOC_MMAP_THRESHOLD_", "131072"),
+    )
     env.pop("RANK", None)
     rows = []
     with tempfile.TemporaryDirectory(prefix="k3-memdist-") as d:
@@ -109,22 +141,56 @@ def main() -> None:
             rt = runtime_heap(preset, int(seq), env)
             for layout in a.layouts:
                 out = os.path.join(d, f"{preset}_{seq}_{layout}")
-                cmd = [str(Path(sys.executable).parent / "deepspeed"), "--no_local_rank", "--num_gpus", "2",
-                       "--master_port", _port(), __file__, "--rank-child", preset, seq, layout, out]
+                cmd = [
+                    str(Path(sys.executable).parent / "deepspeed"),
+                    "--no_local_rank",
+                    "--num_gpus",
+                    "2",
+                    "--master_port",
+                    _port(),
+                    __file__,
+                    "--rank-child",
+                    preset,
+                    seq,
+                    layout,
+                    out,
+                ]
                 p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
                 if p.returncode != 0:
                     raise SystemExit(f"{case} {layout} failed:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
                 for r in range(2):
                     rec = json.loads(Path(f"{out}.rank{r}.json").read_text())
                     tensors = rec["peak_heap_GB"] - rt
-                    rows.append({"preset": preset, "seq_len": int(seq), "layout": layout, "rank": r,
-                                 "peak_heap_GB": rec["peak_heap_GB"], "runtime_heap_GB": rt,
-                                 "peak_tensors_GB": tensors, "est_total_GB": rec["est_total_GB"],
-                                 "ratio": tensors / rec["est_total_GB"], "est_terms_GB": rec["est_terms_GB"]})
+                    rows.append(
+                        {
+                            "preset": preset,
+                            "seq_len": int(seq),
+                            "layout": layout,
+                            "rank": r,
+                            "peak_heap_GB": rec["peak_heap_GB"],
+                            "runtime_heap_GB": rt,
+                            "peak_tensors_GB": tensors,
+                            "est_total_GB": rec["est_total_GB"],
+                            "ratio": tensors / rec["est_total_GB"],
+                            "est_terms_GB": rec["est_terms_GB"],
+                        }
+                    )
                     print(rows[-1], flush=True)
-    print_table("per-rank train-step memory on 2 CPU ranks, ZeRO-3 + EP=2 (fp32, batch 1; GB = 1e9 B; goal 0.9..1.1)",
-                rows, ["preset", "seq_len", "layout", "rank", "peak_heap_GB", "runtime_heap_GB", "peak_tensors_GB",
-                       "est_total_GB", "ratio"])
+    print_table(
+        "per-rank train-step memory on 2 CPU ranks, ZeRO-3 + EP=2 (fp32, batch 1; GB = 1e9 B; goal 0.9..1.1)",
+        rows,
+        [
+            "preset",
+            "seq_len",
+            "layout",
+            "rank",
+            "peak_heap_GB",
+            "runtime_heap_GB",
+            "peak_tensors_GB",
+            "est_total_GB",
+            "ratio",
+        ],
+    )
     print(f"wrote {write_json('memory_dist', {'rows': rows})}")
 
 

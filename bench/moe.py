@@ -28,6 +28,7 @@ busiest expert); `*_over_floor` is how far each peer is from it.
 Run: `python -m bench.moe` (full: tokens 4096, d 256, E {8,64,256}, k {2,8}) or `python -m bench.moe --quick`.
 Writes bench/results/moe.json (moe_quick.json for --quick).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,6 +60,7 @@ def init_deepspeed_single_process() -> None:
     os.environ.setdefault("WORLD_SIZE", "1")
     import deepspeed
     import deepspeed.ops
+
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")
 
@@ -69,9 +71,19 @@ def deepspeed_moe(cfg: K3Config, experts: LatentExperts, k: int, logits_NE: torc
     from deepspeed.moe.sharded_moe import top2gating, topkgating
 
     d, Im, E = experts.w1.shape[2], experts.w1.shape[1], experts.num_local
-    moe = MoE(hidden_size=d, expert=SiTUGLU(d, Im, cfg), num_experts=E, ep_size=1, k=k, capacity_factor=1.0,
-              eval_capacity_factor=1.0, min_capacity=0, drop_tokens=False, use_rts=False,
-              top2_2nd_expert_sampling=False)
+    moe = MoE(
+        hidden_size=d,
+        expert=SiTUGLU(d, Im, cfg),
+        num_experts=E,
+        ep_size=1,
+        k=k,
+        capacity_factor=1.0,
+        eval_capacity_factor=1.0,
+        min_capacity=0,
+        drop_tokens=False,
+        use_rts=False,
+        top2_2nd_expert_sampling=False,
+    )
     with torch.no_grad():
         for e, ex in enumerate(moe.deepspeed_moe.experts.deepspeed_experts):
             ex.gate_proj.weight.copy_(experts.w1[e])
@@ -82,10 +94,18 @@ def deepspeed_moe(cfg: K3Config, experts: LatentExperts, k: int, logits_NE: torc
     def fixed_gate(inp, used_token=None, sparse_routes=False, use_tutel=False):  # TopKGate.forward, fixed logits
         logits = logits_NE.float()
         if k == 2:
-            return top2gating(logits, gate.capacity_factor, gate.min_capacity, gate.drop_tokens, gate.ep_group,
-                              False, sparse_routes)
-        return topkgating(logits, k, gate.capacity_factor, gate.min_capacity, gate.drop_tokens, gate.ep_group,
-                          sparse_routes=sparse_routes)
+            return top2gating(
+                logits, gate.capacity_factor, gate.min_capacity, gate.drop_tokens, gate.ep_group, False, sparse_routes
+            )
+        return topkgating(
+            logits,
+            k,
+            gate.capacity_factor,
+            gate.min_capacity,
+            gate.drop_tokens,
+            gate.ep_group,
+            sparse_routes=sparse_routes,
+        )
 
     gate.forward = fixed_gate
     return moe
@@ -109,11 +129,13 @@ def routing_logits(N: int, E: int, k: int, pattern: str, seed: int = 0) -> torch
 
 
 # --- measurement helpers ----------------------------------------------------------------------------------------
-def measure_step(fwd: Callable[[], torch.Tensor], g_out: torch.Tensor, x: torch.Tensor,
-                 params: list[torch.Tensor]) -> dict[str, Any]:
+def measure_step(
+    fwd: Callable[[], torch.Tensor], g_out: torch.Tensor, x: torch.Tensor, params: list[torch.Tensor]
+) -> dict[str, Any]:
     """One fwd+bwd: output, dL/dx, bytes saved for backward (distinct storages, parameters excluded; via
     saved_tensors_hooks) and the peak growth of live CPU tensor bytes (profiler allocation/free events)."""
     from torch.profiler import ProfilerActivity, profile
+
     skip = {p.untyped_storage().data_ptr() for p in params}
     saved: dict[int, int] = {}
 
@@ -129,8 +151,7 @@ def measure_step(fwd: Callable[[], torch.Tensor], g_out: torch.Tensor, x: torch.
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             y = fwd()
         (y * g_out).sum().backward()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
     cur = peak = 0
     for _, nb in events:
         cur += nb
@@ -146,7 +167,7 @@ def expert_gemm_fraction(floor: Callable[[], None], flops: float, reps: int) -> 
     n = 2048
     big_a, big_b = torch.randn(n, n), torch.randn(n, n)
     t = time_interleaved({"gemm": floor, "peak": lambda: big_a @ big_b}, reps=reps, warmup=1)
-    return (flops / t["gemm"].median) / (2.0 * n ** 3 / t["peak"].median)
+    return (flops / t["gemm"].median) / (2.0 * n**3 / t["peak"].median)
 
 
 def gemm_floor_step(z_ML: torch.Tensor, counts: list[int], experts: LatentExperts) -> Callable[[], None]:
@@ -162,9 +183,20 @@ def gemm_floor_step(z_ML: torch.Tensor, counts: list[int], experts: LatentExpert
     for e, z in enumerate(z_ML.detach().split(counts)):
         if z.shape[0]:
             m = z.shape[0]
-            blocks.append((e, z.contiguous(), torch.randn(m, Im), torch.randn(m, l), torch.randn(m, Im),
-                           torch.randn(m, Im), torch.empty(m, Im), torch.empty(m, l), torch.empty(Im, l),
-                           torch.empty(l, Im)))
+            blocks.append(
+                (
+                    e,
+                    z.contiguous(),
+                    torch.randn(m, Im),
+                    torch.randn(m, l),
+                    torch.randn(m, Im),
+                    torch.randn(m, Im),
+                    torch.empty(m, Im),
+                    torch.empty(m, l),
+                    torch.empty(Im, l),
+                    torch.empty(l, Im),
+                )
+            )
 
     def run() -> None:
         for e, z, a, g, g1, g3, out_mi, out_ml, out_il, out_li in blocks:
@@ -177,18 +209,26 @@ def gemm_floor_step(z_ML: torch.Tensor, counts: list[int], experts: LatentExpert
             torch.mm(g3.t(), z, out=out_il)
             torch.mm(g1, w1[e], out=out_ml)
             torch.mm(g3, w3[e], out=out_ml)
+
     return run
 
 
-def run_config(N: int, d: int, Im: int, E: int, k: int, pattern: str, reps: int, peak_flops: float,
-               ds_max_gb: float = 0.4) -> dict:
+def run_config(
+    N: int, d: int, Im: int, E: int, k: int, pattern: str, reps: int, peak_flops: float, ds_max_gb: float = 0.4
+) -> dict:
     torch.manual_seed(0)
-    cfg = K3Config.preset("tiny", hidden_size=d, num_experts=E, num_experts_per_token=k,
-                          moe_intermediate_size=Im, routed_expert_hidden_size=d)
+    cfg = K3Config.preset(
+        "tiny",
+        hidden_size=d,
+        num_experts=E,
+        num_experts_per_token=k,
+        moe_intermediate_size=Im,
+        routed_expert_hidden_size=d,
+    )
     experts = LatentExperts(cfg)
     with torch.no_grad():
         for w in (experts.w1, experts.w3, experts.w2):
-            w.normal_(0, d ** -0.5)
+            w.normal_(0, d**-0.5)
     logits0 = routing_logits(N, E, k, pattern)
     idx0, _ = select_experts(torch.softmax(logits0, -1), None, k)
     counts = torch.bincount(idx0.reshape(-1), minlength=E)
@@ -205,13 +245,16 @@ def run_config(N: int, d: int, Im: int, E: int, k: int, pattern: str, reps: int,
         def fwd(x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
             idx, w = select_experts(torch.softmax(logits, dim=-1), None, k)
             return dispatcher(x, idx, w, experts)
+
         return fwd
 
     def fwd_ds(x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         return ds(x.view(1, N, d))[0].view(N, d)  # the gate routes by the same logits, fixed at build time
 
-    peers = {"ours": (ours(LocalDispatcher()), params_ours), "keep": (ours(LocalDispatcher(recompute=False)),
-                                                                      params_ours)}
+    peers = {
+        "ours": (ours(LocalDispatcher()), params_ours),
+        "keep": (ours(LocalDispatcher(recompute=False)), params_ours),
+    }
     if run_ds:
         peers["deepspeed"] = (fwd_ds, params_ds)
     meas = {}
@@ -229,6 +272,7 @@ def run_config(N: int, d: int, Im: int, E: int, k: int, pattern: str, reps: int,
                 p.grad = None
             x, logits = x0.clone().requires_grad_(), logits0.clone().requires_grad_()
             (fwd(x, logits) * g_out).sum().backward()
+
         return run
 
     M = N * k
@@ -237,8 +281,11 @@ def run_config(N: int, d: int, Im: int, E: int, k: int, pattern: str, reps: int,
     floor = gemm_floor_step(z_sorted, cl, experts)
     floor()  # warm-up
     ds_reps = max(1, min(reps, int(reps * 4 * N * k / max(E * capacity, 1))))  # fewer when DeepSpeed pads a lot
-    t = time_interleaved({**{name: step(*peer) for name, peer in peers.items()}, "gemm_floor": floor},
-                         reps={"ours": reps, "keep": reps, "deepspeed": ds_reps, "gemm_floor": reps}, warmup=0)
+    t = time_interleaved(
+        {**{name: step(*peer) for name, peer in peers.items()}, "gemm_floor": floor},
+        reps={"ours": reps, "keep": reps, "deepspeed": ds_reps, "gemm_floor": reps},
+        warmup=0,
+    )
     gemm_frac = expert_gemm_fraction(floor, 18.0 * M * d * Im, reps)
     del floor
     tds = t["deepspeed"].median if run_ds else float("nan")
@@ -247,26 +294,43 @@ def run_config(N: int, d: int, Im: int, E: int, k: int, pattern: str, reps: int,
 
     # expert FLOP/s: the forward GEMMs alone, and the whole grouped expert forward (GEMMs + SiTU-GLU)
     with torch.no_grad():
-        te = time_interleaved({"experts": lambda: grouped_forward(z_sorted, cl, experts.w1, experts.w3, experts.w2,
-                                                                  4.0, 25.0)}, reps=reps, warmup=1)["experts"]
+        te = time_interleaved(
+            {"experts": lambda: grouped_forward(z_sorted, cl, experts.w1, experts.w3, experts.w2, 4.0, 25.0)},
+            reps=reps,
+            warmup=1,
+        )["experts"]
     fwd_flops = 6.0 * M * d * Im
     return {
-        "E": E, "k": k, "routing": pattern, "max_load": capacity, "mean_load": M / E,
-        "ds_pad_factor": E * capacity / M, "ds_ran": run_ds,
-        "ours_ms": t["ours"].median * 1e3, "keep_ms": t["keep"].median * 1e3, "ds_ms": tds * 1e3,
-        "speedup": tds / t["ours"].median, "speedup_keep": tds / t["keep"].median,
-        "gemm_floor_ms": tfl * 1e3, "ceiling": tds / tfl,
-        "ours_over_floor": t["ours"].median / tfl, "keep_over_floor": t["keep"].median / tfl,
-        "ours_saved_MB": o["saved"] / 2**20, "keep_saved_MB": meas["keep"]["saved"] / 2**20,
+        "E": E,
+        "k": k,
+        "routing": pattern,
+        "max_load": capacity,
+        "mean_load": M / E,
+        "ds_pad_factor": E * capacity / M,
+        "ds_ran": run_ds,
+        "ours_ms": t["ours"].median * 1e3,
+        "keep_ms": t["keep"].median * 1e3,
+        "ds_ms": tds * 1e3,
+        "speedup": tds / t["ours"].median,
+        "speedup_keep": tds / t["keep"].median,
+        "gemm_floor_ms": tfl * 1e3,
+        "ceiling": tds / tfl,
+        "ours_over_floor": t["ours"].median / tfl,
+        "keep_over_floor": t["keep"].median / tfl,
+        "ours_saved_MB": o["saved"] / 2**20,
+        "keep_saved_MB": meas["keep"]["saved"] / 2**20,
         "ds_saved_MB": dsm["saved"] / 2**20 if dsm else nan,
         "saved_ratio": o["saved"] / dsm["saved"] if dsm else nan,
         "saved_ratio_keep": meas["keep"]["saved"] / dsm["saved"] if dsm else nan,
-        "ours_peak_MB": o["peak"] / 2**20, "keep_peak_MB": meas["keep"]["peak"] / 2**20,
-        "ds_peak_MB": dsm["peak"] / 2**20 if dsm else nan, "peak_ratio": o["peak"] / dsm["peak"] if dsm else nan,
+        "ours_peak_MB": o["peak"] / 2**20,
+        "keep_peak_MB": meas["keep"]["peak"] / 2**20,
+        "ds_peak_MB": dsm["peak"] / 2**20 if dsm else nan,
+        "peak_ratio": o["peak"] / dsm["peak"] if dsm else nan,
         "expert_gemm_frac_peak": gemm_frac,
         "expert_fwd_frac_peak": fwd_flops / te.median / peak_flops,
         "layer_frac_peak": 3 * fwd_flops / t["ours"].median / peak_flops,
-        "max_rel_err_out": max_err if dsm else nan, "max_rel_err_dx": gx_err if dsm else nan,
+        "max_rel_err_out": max_err if dsm else nan,
+        "max_rel_err_dx": gx_err if dsm else nan,
         "reps": {name: tm.reps for name, tm in t.items()},
         "spread": {name: tm.spread for name, tm in t.items()},
     }
@@ -291,10 +355,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--experts", type=int, nargs="+", default=None, help="E values (default 8 64 256)")
     ap.add_argument("--topk", type=int, nargs="+", default=None, help="k values (default 2 8)")
     ap.add_argument("--routing", nargs="+", default=["balanced", "skewed"], choices=["balanced", "skewed"])
-    ap.add_argument("--ds-max-gb", type=float, default=0.4,
-                    help="skip DeepSpeed where one padded activation (E*C rows) would exceed this many GiB")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads (default 1: on shared cores, multi-threaded GEMMs stall on each other)")
+    ap.add_argument(
+        "--ds-max-gb",
+        type=float,
+        default=0.4,
+        help="skip DeepSpeed where one padded activation (E*C rows) would exceed this many GiB",
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: on shared cores, multi-threaded GEMMs stall on each other)",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     N = args.tokens or (512 if args.quick else 4096)
@@ -314,17 +386,46 @@ def main(argv: list[str] | None = None) -> None:
                 release_memory()
                 r = rows[-1]
                 note = "" if r["ds_ran"] else f"  [DeepSpeed skipped: pads to {r['ds_pad_factor']:.0f}x the rows]"
-                print(f"E={E:4d} k={k} {pattern:8s} speedup {r['speedup']:.2f}x (keep {r['speedup_keep']:.2f}x, "
-                      f"ceiling {r['ceiling']:.2f}x)  "
-                      f"saved {r['saved_ratio']:.3f}x (keep {r['saved_ratio_keep']:.3f}x)  peak {r['peak_ratio']:.3f}x"
-                      f"  ({time.perf_counter() - t0:.0f}s){note}", flush=True)
+                print(
+                    f"E={E:4d} k={k} {pattern:8s} speedup {r['speedup']:.2f}x (keep {r['speedup_keep']:.2f}x, "
+                    f"ceiling {r['ceiling']:.2f}x)  "
+                    f"saved {r['saved_ratio']:.3f}x (keep {r['saved_ratio_keep']:.3f}x)  peak {r['peak_ratio']:.3f}x"
+                    f"  ({time.perf_counter() - t0:.0f}s){note}",
+                    flush=True,
+                )
     rows = [{key: (None if isinstance(v, float) and v != v else v) for key, v in r.items()} for r in rows]  # nan
-    cols = ["E", "k", "routing", "max_load", "ds_pad_factor", "ours_ms", "keep_ms", "ds_ms", "gemm_floor_ms",
-            "speedup", "speedup_keep", "ceiling", "ours_saved_MB", "keep_saved_MB", "ds_saved_MB", "saved_ratio",
-            "saved_ratio_keep", "ours_peak_MB", "ds_peak_MB", "peak_ratio", "expert_gemm_frac_peak",
-            "expert_fwd_frac_peak", "layer_frac_peak", "max_rel_err_out"]
-    print_table(f"MoE fwd+bwd, tokens={N} d={args.d} Im={args.inter}, threads={torch.get_num_threads()}, "
-                f"peak matmul {peak / 1e9:.1f} GFLOP/s", rows, cols)
+    cols = [
+        "E",
+        "k",
+        "routing",
+        "max_load",
+        "ds_pad_factor",
+        "ours_ms",
+        "keep_ms",
+        "ds_ms",
+        "gemm_floor_ms",
+        "speedup",
+        "speedup_keep",
+        "ceiling",
+        "ours_saved_MB",
+        "keep_saved_MB",
+        "ds_saved_MB",
+        "saved_ratio",
+        "saved_ratio_keep",
+        "ours_peak_MB",
+        "ds_peak_MB",
+        "peak_ratio",
+        "expert_gemm_frac_peak",
+        "expert_fwd_frac_peak",
+        "layer_frac_peak",
+        "max_rel_err_out",
+    ]
+    print_table(
+        f"MoE fwd+bwd, tokens={N} d={args.d} Im={args.inter}, threads={torch.get_num_threads()}, "
+        f"peak matmul {peak / 1e9:.1f} GFLOP/s",
+        rows,
+        cols,
+    )
     ran = [r for r in rows if r["ds_ran"]]
     bal8 = [r for r in ran if r["k"] == 8 and r["E"] >= 64 and r["routing"] == "balanced"]
 
@@ -346,11 +447,16 @@ def main(argv: list[str] | None = None) -> None:
     }
     print("goals:", goals)
     full = not args.quick and args.experts is None and args.topk is None and len(args.routing) == 2
-    path = write_json("moe" if full else "moe_quick" if args.quick else "moe_partial", {
-        "config": {"tokens": N, "d": args.d, "inter": args.inter, "reps": reps},
-        "peak_matmul_flops": peak, "rows": rows, "goals": goals,
-        "total_s": time.perf_counter() - t0,
-    })
+    path = write_json(
+        "moe" if full else "moe_quick" if args.quick else "moe_partial",
+        {
+            "config": {"tokens": N, "d": args.d, "inter": args.inter, "reps": reps},
+            "peak_matmul_flops": peak,
+            "rows": rows,
+            "goals": goals,
+            "total_s": time.perf_counter() - t0,
+        },
+    )
     print(f"wrote {path}")
 
 

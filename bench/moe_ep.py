@@ -10,6 +10,7 @@ would ship), plus the measured time of an exchange round trip at either width.
 Run: `python -m bench.moe_ep` (tokens 2048/rank, d 256, l 128, E {8, 64}, k {2, 8}) or `--quick`.
 Writes bench/results/moe_ep.json (moe_ep_quick.json for --quick). Spawns its own 2 ranks.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,15 @@ def _bench_rank(quick: bool, reps: int) -> list[dict]:
     d, l = 256, 128
     rows = []
     for c in _configs(quick):
-        cfg = K3Config.preset("tiny", hidden_size=d, routed_expert_hidden_size=l, moe_intermediate_size=128,
-                              num_experts=c["E"], num_experts_per_token=c["k"], moe_balance="none")
+        cfg = K3Config.preset(
+            "tiny",
+            hidden_size=d,
+            routed_expert_hidden_size=l,
+            moe_intermediate_size=128,
+            num_experts=c["E"],
+            num_experts_per_token=c["k"],
+            moe_balance="none",
+        )
         torch.manual_seed(0)
         local = LatentMoE(cfg, 1)
         torch.manual_seed(0)
@@ -52,7 +60,7 @@ def _bench_rank(quick: bool, reps: int) -> list[dict]:
         with torch.no_grad():
             for w in ("w1", "w3", "w2"):
                 p = getattr(ep.experts, w)
-                p.data = p.data[rank * El:(rank + 1) * El].clone()
+                p.data = p.data[rank * El : (rank + 1) * El].clone()
         ep.experts.num_local, ep.experts.expert_offset = El, rank * El
         ep.dispatcher = AllToAllDispatcher(c["E"])
         x = torch.randn(1, c["tokens"], d, generator=torch.Generator().manual_seed(rank))
@@ -63,6 +71,7 @@ def _bench_rank(quick: bool, reps: int) -> list[dict]:
                 xi = x.clone().requires_grad_()
                 y, _ = layer(xi)
                 y.square().mean().backward()
+
             return run
 
         M = c["tokens"] * c["k"]
@@ -74,19 +83,34 @@ def _bench_rank(quick: bool, reps: int) -> list[dict]:
             return lambda: _a2a(_a2a(t, splits, splits, None), splits, splits, None)
 
         dist.barrier()
-        t = time_interleaved({"local": step(local), "a2a": step(ep), "xchg_l": exchange(lat),
-                              "xchg_d": exchange(hid)}, reps=reps, warmup=1)
+        t = time_interleaved(
+            {"local": step(local), "a2a": step(ep), "xchg_l": exchange(lat), "xchg_d": exchange(hid)},
+            reps=reps,
+            warmup=1,
+        )
         sent = torch.tensor([float(ep.dispatcher.bytes_sent)])
         dist.all_reduce(sent)
         med = torch.tensor([t["local"].median, t["a2a"].median, t["xchg_l"].median, t["xchg_d"].median])
         dist.all_reduce(med, op=dist.ReduceOp.MAX)  # a step is as slow as the slowest rank
         bytes_per_token = float(sent) / (world * c["tokens"])
-        rows.append(dict(tokens_per_rank=c["tokens"], E=c["E"], k=c["k"], d=d, l=l,
-                         local_ms=1e3 * float(med[0]), a2a_ms=1e3 * float(med[1]),
-                         a2a_over_local=float(med[1] / med[0]),
-                         bytes_per_token_latent=bytes_per_token, bytes_per_token_hidden=bytes_per_token * d / l,
-                         xchg_latent_ms=1e3 * float(med[2]), xchg_hidden_ms=1e3 * float(med[3]),
-                         spread_a2a=t["a2a"].spread, spread_local=t["local"].spread))
+        rows.append(
+            dict(
+                tokens_per_rank=c["tokens"],
+                E=c["E"],
+                k=c["k"],
+                d=d,
+                l=l,
+                local_ms=1e3 * float(med[0]),
+                a2a_ms=1e3 * float(med[1]),
+                a2a_over_local=float(med[1] / med[0]),
+                bytes_per_token_latent=bytes_per_token,
+                bytes_per_token_hidden=bytes_per_token * d / l,
+                xchg_latent_ms=1e3 * float(med[2]),
+                xchg_hidden_ms=1e3 * float(med[3]),
+                spread_a2a=t["a2a"].spread,
+                spread_local=t["local"].spread,
+            )
+        )
     return rows
 
 
@@ -97,9 +121,22 @@ def _worker(quick: bool, reps: int) -> None:
     if dist.get_rank() == 0:
         from bench.common import print_table, write_json
 
-        print_table("LatentMoE fwd+bwd per step on 2 CPU ranks: all-to-all EP vs local (DP)", rows,
-                    ["tokens_per_rank", "E", "k", "local_ms", "a2a_ms", "a2a_over_local", "bytes_per_token_latent",
-                     "bytes_per_token_hidden", "xchg_latent_ms", "xchg_hidden_ms"])
+        print_table(
+            "LatentMoE fwd+bwd per step on 2 CPU ranks: all-to-all EP vs local (DP)",
+            rows,
+            [
+                "tokens_per_rank",
+                "E",
+                "k",
+                "local_ms",
+                "a2a_ms",
+                "a2a_over_local",
+                "bytes_per_token_latent",
+                "bytes_per_token_hidden",
+                "xchg_latent_ms",
+                "xchg_hidden_ms",
+            ],
+        )
         path = write_json("moe_ep_quick" if quick else "moe_ep", {"world": dist.get_world_size(), "rows": rows})
         print(f"wrote {path}")
     dist.barrier()
@@ -121,8 +158,9 @@ def main(argv: list[str] | None = None) -> None:
     root = Path(__file__).resolve().parents[1]
     procs = []
     for r in range(2):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                   OMP_NUM_THREADS="1")
+        env = dict(
+            os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1"
+        )
         args = [sys.executable, "-m", "bench.moe_ep", *(["--quick"] if a.quick else []), "--reps", str(reps)]
         procs.append(subprocess.Popen(args, env=env, cwd=root))
     codes = [p.wait() for p in procs]

@@ -15,6 +15,7 @@ bench/memory.py) so RSS follows live tensors. Goal (issue 14): each rank <= 0.6x
 fp32 ZeRO-3 keeps a separate fp32 master partition besides the module partition (stage3 `_create_fp32_partitions`):
 5 copies per parameter over 2 ranks against ZeRO-0's 4 in one process, a floor of 0.625x against ZeRO-0.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ["model=small", "model.num_experts=64"]
-JOB = [*MODEL, "train.steps=1", "train.seq_len=128", "train.micro_batch_size=1", "logging=disabled",
-       "checkpoint.save_final=false"]
+JOB = [
+    *MODEL,
+    "train.steps=1",
+    "train.seq_len=128",
+    "train.micro_batch_size=1",
+    "logging=disabled",
+    "checkpoint.save_final=false",
+]
 GB = 1e9
 
 
@@ -44,8 +51,12 @@ def worker(out: str, overrides: list[str]) -> None:
     cfg = compose(overrides)
     trainer = Trainer(cfg, validate(cfg, env_world().world_size))
     trainer.run()
-    rec = {"rank": trainer.info.rank, "world": trainer.world, "peak_rss_gb": resource.getrusage(
-        resource.RUSAGE_SELF).ru_maxrss * 1024 / GB, "bytes_read_gb": trainer.ep.init_bytes_read / GB}
+    rec = {
+        "rank": trainer.info.rank,
+        "world": trainer.world,
+        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB,
+        "bytes_read_gb": trainer.ep.init_bytes_read / GB,
+    }
     with open(f"{out}.rank{trainer.info.rank}.json", "w", encoding="utf-8") as f:
         json.dump(rec, f)
 
@@ -71,17 +82,29 @@ def _port() -> str:
 
 def run(tmp: Path, name: str, nproc: int, overrides: list[str]) -> list[dict]:
     out = tmp / name
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-               WANDB_MODE="disabled", PYTHONPATH=str(ROOT),
-               MALLOC_MMAP_THRESHOLD_=os.environ.get("MALLOC_MMAP_THRESHOLD_", "131072"))
+    env = dict(
+        os.environ,
+        DS_ACCELERATOR="cpu",
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+        WANDB_MODE="disabled",
+        PYTHONPATH=str(ROOT),
+        MALLOC_MMAP_THRESHOLD_=os.environ.get("MALLOC_MMAP_THRESHOLD_", "131072"),
+    )
     args = [__file__, "--worker", str(out), f"run_dir={tmp / (name + '_run')}", *overrides]
     if nproc == 1:
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=_port())
         cmd = [sys.executable, *args]
     else:
         env.pop("RANK", None)
-        cmd = [str(Path(sys.executable).parent / "deepspeed"), "--no_local_rank", "--num_gpus", str(nproc),
-               "--master_port", _port(), *args]
+        cmd = [
+            str(Path(sys.executable).parent / "deepspeed"),
+            "--no_local_rank",
+            "--num_gpus",
+            str(nproc),
+            "--master_port",
+            _port(),
+            *args,
+        ]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if p.returncode != 0:
         raise SystemExit(f"{name} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
@@ -105,18 +128,31 @@ def main() -> None:
         sharded = run(tmp, "zero3_ep2", 2, [*JOB, *init, "deepspeed=zero3", "parallel.ep_size=2"])
     vs0 = [r["peak_rss_gb"] / single["peak_rss_gb"] for r in sharded]
     vs3 = [r["peak_rss_gb"] / single3["peak_rss_gb"] for r in sharded]
-    result = {"checkpoint_gb": ckpt_bytes / GB, "one_process_zero0": single, "one_process_zero3": single3,
-              "zero3_ep2_ranks": sharded, "ratio_vs_zero0": vs0, "ratio_vs_zero3": vs3, "goal": 0.6,
-              "meets_goal_vs_zero0": all(x <= 0.6 for x in vs0), "meets_goal_vs_zero3": all(x <= 0.6 for x in vs3)}
+    result = {
+        "checkpoint_gb": ckpt_bytes / GB,
+        "one_process_zero0": single,
+        "one_process_zero3": single3,
+        "zero3_ep2_ranks": sharded,
+        "ratio_vs_zero0": vs0,
+        "ratio_vs_zero3": vs3,
+        "goal": 0.6,
+        "meets_goal_vs_zero0": all(x <= 0.6 for x in vs0),
+        "meets_goal_vs_zero3": all(x <= 0.6 for x in vs3),
+    }
     Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"checkpoint {ckpt_bytes / GB:.2f} GB (small, 64 experts)")
     print(f"{'job':<24}{'peak RSS GB':>12}{'read GB':>10}{'x zero0':>9}{'x zero3':>9}")
     for name, r in (("1 process zero0", single), ("1 process zero3", single3)):
-        print(f"{name:<24}{r['peak_rss_gb']:>12.2f}{r['bytes_read_gb']:>10.2f}"
-              f"{r['peak_rss_gb'] / single['peak_rss_gb']:>9.2f}{r['peak_rss_gb'] / single3['peak_rss_gb']:>9.2f}")
+        print(
+            f"{name:<24}{r['peak_rss_gb']:>12.2f}{r['bytes_read_gb']:>10.2f}"
+            f"{r['peak_rss_gb'] / single['peak_rss_gb']:>9.2f}{r['peak_rss_gb'] / single3['peak_rss_gb']:>9.2f}"
+        )
     for r, x0, x3 in zip(sharded, vs0, vs3):
-        print(f"{'zero3 EP=2 rank ' + str(r['rank']):<24}{r['peak_rss_gb']:>12.2f}{r['bytes_read_gb']:>10.2f}"
-              f"{x0:>9.2f}{x3:>9.2f}")
+        print(
+            f"{'zero3 EP=2 rank ' + str(r['rank']):<24}{r['peak_rss_gb']:>12.2f}{r['bytes_read_gb']:>10.2f}"
+            f"{x0:>9.2f}{x3:>9.2f}"
+        )
+
 
 if __name__ == "__main__":
     main()

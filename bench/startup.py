@@ -12,6 +12,7 @@ command `python -m training.train experiment=smoke train.steps=1 parallel=dp` is
 too (its own time_to_first_step_s).
 Goal (issue 7): <= 20 s to the first optimizer step with a warm cache.
 """
+
 from __future__ import annotations
 
 import time
@@ -45,17 +46,21 @@ def child(run_dir: str) -> dict[str, float]:
         last = now
 
     import torch  # noqa: F401
+
     stamp("import_torch")
     import deepspeed  # noqa: F401
+
     stamp("import_deepspeed")
     import datasets  # noqa: F401
     import hydra  # noqa: F401
     import wandb  # noqa: F401
+
     stamp("import_hydra_datasets_wandb")
     import data  # noqa: F401
     import model  # noqa: F401
     from training import config as tr
     from training.trainer import Trainer
+
     stamp("import_project")
 
     from hydra import compose, initialize_config_dir
@@ -78,9 +83,15 @@ def child(run_dir: str) -> dict[str, float]:
 
 
 def _env(cache: str) -> dict[str, str]:
-    env = dict(os.environ, DS_ACCELERATOR="cpu", K3_CACHE_DIR=cache, WANDB_MODE="disabled",
-               HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-               MASTER_PORT=os.environ.get("MASTER_PORT", "29631"))
+    env = dict(
+        os.environ,
+        DS_ACCELERATOR="cpu",
+        K3_CACHE_DIR=cache,
+        WANDB_MODE="disabled",
+        HF_DATASETS_OFFLINE="1",
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+        MASTER_PORT=os.environ.get("MASTER_PORT", "29631"),
+    )
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(k, None)
     return env
@@ -88,8 +99,14 @@ def _env(cache: str) -> dict[str, str]:
 
 def run_phases(cache: str, run_dir: str) -> dict[str, float]:
     env = _env(cache) | {"STARTUP_T0": repr(time.time())}
-    p = subprocess.run([sys.executable, "-m", "bench.startup", "--child", run_dir], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=900)
+    p = subprocess.run(
+        [sys.executable, "-m", "bench.startup", "--child", run_dir],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if p.returncode != 0:
         raise SystemExit(f"startup child failed ({p.returncode}): {p.stderr.strip().splitlines()[-1:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -98,8 +115,14 @@ def run_phases(cache: str, run_dir: str) -> dict[str, float]:
 def run_command(cmd: list[str], cache: str, run_dir: str, extra: list[str]) -> dict[str, float]:
     """Wall time of a whole command and the trainer's own time_to_first_step_s (from its metrics.jsonl)."""
     t0 = time.time()
-    p = subprocess.run(cmd + OVERRIDES + extra + [f"run_dir={run_dir}"], cwd=ROOT, env=_env(cache),
-                       capture_output=True, text=True, timeout=900)
+    p = subprocess.run(
+        cmd + OVERRIDES + extra + [f"run_dir={run_dir}"],
+        cwd=ROOT,
+        env=_env(cache),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     wall = time.time() - t0
     if p.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({p.returncode}): {p.stderr.strip().splitlines()[-3:]}")
@@ -130,21 +153,50 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         cache = os.path.join(tmp, "cache")  # empty: the first run builds corpus + tokenizer
         rows.append({"case": "phases, cold data cache", **run_phases(cache, os.path.join(tmp, "r0"))})
         cached = [run_phases(cache, os.path.join(tmp, f"r{i + 1}")) for i in range(args.reps)]
-        rows.append({"case": f"phases, cached (median of {args.reps})",
-                     **{k: statistics.median(c[k] for c in cached) for k in cached[0]}})
+        rows.append(
+            {
+                "case": f"phases, cached (median of {args.reps})",
+                **{k: statistics.median(c[k] for c in cached) for k in cached[0]},
+            }
+        )
         cmd = run_command([sys.executable, "-m", "training.train"], cache, os.path.join(tmp, "c1"), ONE_PROCESS)
-        rows.append({"case": "python -m training.train (cached)", "total": cmd["wall_s"],
-                     "to_first_step": cmd["time_to_first_step_s"]})
+        rows.append(
+            {
+                "case": "python -m training.train (cached)",
+                "total": cmd["wall_s"],
+                "to_first_step": cmd["time_to_first_step_s"],
+            }
+        )
         if args.launcher:
             sm = run_command(["bash", "launch/smoke.sh"], cache, os.path.join(tmp, "c2"), [])
-            rows.append({"case": "launch/smoke.sh, 2 ranks (cached)", "total": sm["wall_s"],
-                         "to_first_step": sm["time_to_first_step_s"]})
-    cols = ["case", "interpreter", "import_torch", "import_deepspeed", "import_hydra_datasets_wandb",
-            "import_project", "compose_validate", "data_tokenizer_prep", "trainer_init_engine", "first_step",
-            "total", "to_first_step"]
+            rows.append(
+                {
+                    "case": "launch/smoke.sh, 2 ranks (cached)",
+                    "total": sm["wall_s"],
+                    "to_first_step": sm["time_to_first_step_s"],
+                }
+            )
+    cols = [
+        "case",
+        "interpreter",
+        "import_torch",
+        "import_deepspeed",
+        "import_hydra_datasets_wandb",
+        "import_project",
+        "compose_validate",
+        "data_tokenizer_prep",
+        "trainer_init_engine",
+        "first_step",
+        "total",
+        "to_first_step",
+    ]
     print_table("start-up to the first optimizer step, seconds (goal <= 20 s cached)", rows, cols)
-    payload = {"overrides": OVERRIDES, "one_process": ONE_PROCESS,
-               "omp_threads": os.environ.get("OMP_NUM_THREADS", "1"), "rows": rows}
+    payload = {
+        "overrides": OVERRIDES,
+        "one_process": ONE_PROCESS,
+        "omp_threads": os.environ.get("OMP_NUM_THREADS", "1"),
+        "rows": rows,
+    }
     print(f"wrote {write_json('startup', payload)}")
     return payload
 

@@ -10,6 +10,7 @@ Public API (see data/README.md for the semantics: layout invariance, resume, exh
 - `default_corpus_path()` (the embedded standard-library corpus)
 Submodules are imported lazily, so `python -m data.tokenizer` runs cleanly and `from data import DataConfig` is cheap.
 """
+
 from __future__ import annotations
 
 import importlib

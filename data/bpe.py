@@ -11,6 +11,7 @@ it), so a 1,024-id vocabulary learns in about a second on a few hundred KB of te
 tokens after the base vocabulary: K3's named slots incl. `<|open|>`, `<|close|>`, `<|sep|>`, `<|end_of_msg|>`,
 the rest `<|reserved_token_N|>`) and `chat_template.jinja` (K3's conversation format).
 """
+
 from __future__ import annotations
 
 import heapq
@@ -103,7 +104,7 @@ def _corpus_texts(cfg: DataConfig, max_chars: int) -> list[str]:
 
     out, n = [], 0
     for text in training_texts(cfg, 10_000_000):
-        out.append(text[:max_chars - n])
+        out.append(text[: max_chars - n])
         n += len(out[-1])
         if n >= max_chars:
             break
@@ -112,8 +113,9 @@ def _corpus_texts(cfg: DataConfig, max_chars: int) -> list[str]:
     return out
 
 
-def build_tiktoken_dir(out: Union[str, os.PathLike], vocab_size: int, cfg: DataConfig | None = None,
-                       max_chars: int = 400_000) -> TiktokenTokenizer:
+def build_tiktoken_dir(
+    out: Union[str, os.PathLike], vocab_size: int, cfg: DataConfig | None = None, max_chars: int = 400_000
+) -> TiktokenTokenizer:
     """Learn `vocab_size - 256` ranks on (at most `max_chars` of) the sources and write the release layout."""
     cfg = coerce_config(cfg if cfg is not None else DataConfig())
     if vocab_size < 256 + NUM_RESERVED_SPECIAL_TOKENS:
@@ -121,8 +123,13 @@ def build_tiktoken_dir(out: Union[str, os.PathLike], vocab_size: int, cfg: DataC
     ranks = train_bpe_ranks(_corpus_texts(cfg, max_chars), vocab_size - NUM_RESERVED_SPECIAL_TOKENS)
     base = len(ranks)
     specials = special_tokens(base)
-    tok = TiktokenTokenizer(ranks, specials, {"bos": BOS_TOKEN, "eos": EOS_TOKEN, "pad": PAD_TOKEN},
-                            K3_CHAT_TEMPLATE, num_threads=cfg.tokenizer.num_threads)
+    tok = TiktokenTokenizer(
+        ranks,
+        specials,
+        {"bos": BOS_TOKEN, "eos": EOS_TOKEN, "pad": PAD_TOKEN},
+        K3_CHAT_TEMPLATE,
+        num_threads=cfg.tokenizer.num_threads,
+    )
     d = Path(out)
     d.mkdir(parents=True, exist_ok=True)
     main = tok.save(d)

@@ -19,6 +19,7 @@ after its generation prompt (its content and the markers that end the turn).
   header differs from the generation prompt (e.g. a `name` attribute), from the start of its content.
 `renderer_for(tokenizer)` picks K3 when the tokenizer has the four markers, else its chat template.
 """
+
 from __future__ import annotations
 
 import json
@@ -56,8 +57,9 @@ def normalize_messages(obj: Any) -> list[dict]:
             raise ChatRowError("unknown_role", f"role {m['role']!r} is not one of {ROLES}")
         content = m["content"]
         if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+            ):
                 raise ChatRowError("bad_message", "content parts must be {type: text, text: str}")
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
@@ -144,13 +146,20 @@ class TemplateRenderer:
 
     name = "template"
 
-    def __init__(self, template: str, special_tokens: Sequence[str], bos_token: Optional[str] = None,
-                 eos_token: Optional[str] = None, pad_token: Optional[str] = None):
+    def __init__(
+        self,
+        template: str,
+        special_tokens: Sequence[str],
+        bos_token: Optional[str] = None,
+        eos_token: Optional[str] = None,
+        pad_token: Optional[str] = None,
+    ):
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
         env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
         env.globals["raise_exception"] = _raise
         try:
@@ -163,8 +172,7 @@ class TemplateRenderer:
 
     def text(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         try:
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        **self.vars)
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.vars)
         except ChatRowError:
             raise
         except Exception as e:  # noqa: BLE001 - any template failure is a bad row, counted
@@ -172,8 +180,8 @@ class TemplateRenderer:
 
     def _literal(self, out: list[Segment], text: str, loss: bool) -> None:
         pos = 0
-        for m in (self.special_re.finditer(text) if self.special_re else ()):
-            _text(out, text[pos:m.start()], loss)
+        for m in self.special_re.finditer(text) if self.special_re else ():
+            _text(out, text[pos : m.start()], loss)
             out.append((m.group(0), True, loss))
             pos = m.end()
         _text(out, text[pos:], loss)
@@ -184,7 +192,7 @@ class TemplateRenderer:
         spans = []
         for k, m in enumerate(messages):
             if m["role"] == "assistant":
-                pre, done = self.text(ph[:k], True), self.text(ph[:k + 1])
+                pre, done = self.text(ph[:k], True), self.text(ph[: k + 1])
                 start = len(pre) if done.startswith(pre) else done.rfind(_PH.format(k))
                 if start < 0 or not full.startswith(done):
                     raise ChatRowError("template_error", "the template is not prefix-stable at an assistant turn")
@@ -195,7 +203,7 @@ class TemplateRenderer:
             loss = any(s <= a and b <= e for s, e in spans)
             piece, pos = full[a:b], 0
             for m in _PH_RE.finditer(piece):
-                self._literal(out, piece[pos:m.start()], loss)
+                self._literal(out, piece[pos : m.start()], loss)
                 i = int(m.group(1))
                 if i >= len(messages):
                     raise ChatRowError("template_error", "content placeholder out of range")
@@ -214,15 +222,23 @@ def renderer_for(tokenizer, thinking: bool = False):
         return K3Renderer(thinking)
     if tokenizer.chat_template:
         names = {i: t for t, i in specials.items()}
-        return TemplateRenderer(tokenizer.chat_template, list(specials), names.get(tokenizer.bos_id),
-                                names.get(tokenizer.eos_id), names.get(tokenizer.pad_id))
-    raise DataError("data.sources[i].format=chat needs a tokenizer with K3's markers (<|open|> <|close|> <|sep|> "
-                    "<|end_of_msg|>) or a chat_template.jinja beside it: use data.tokenizer.type=tiktoken or "
-                    "model_path=<dir from python -m data.tokenizer build-tiktoken>")
+        return TemplateRenderer(
+            tokenizer.chat_template,
+            list(specials),
+            names.get(tokenizer.bos_id),
+            names.get(tokenizer.eos_id),
+            names.get(tokenizer.pad_id),
+        )
+    raise DataError(
+        "data.sources[i].format=chat needs a tokenizer with K3's markers (<|open|> <|close|> <|sep|> "
+        "<|end_of_msg|>) or a chat_template.jinja beside it: use data.tokenizer.type=tiktoken or "
+        "model_path=<dir from python -m data.tokenizer build-tiktoken>"
+    )
 
 
-def encode_conversations(tokenizer, conversations: Sequence[list[Segment]],
-                         loss_on: str = "assistant") -> list[tuple[np.ndarray, np.ndarray]]:
+def encode_conversations(
+    tokenizer, conversations: Sequence[list[Segment]], loss_on: str = "assistant"
+) -> list[tuple[np.ndarray, np.ndarray]]:
     """[(ids [n] int32, loss [n] bool)] per conversation; text segments are encoded in one batch."""
     texts = [s for conv in conversations for s, control, _ in conv if not control]
     encoded = iter(tokenizer.encode_batch(texts) if texts else [])
@@ -234,8 +250,10 @@ def encode_conversations(tokenizer, conversations: Sequence[list[Segment]],
             if control:
                 tid = tokenizer.token_to_id(s)
                 if tid is None:
-                    raise DataError(f"the tokenizer has no special token {s!r} that the chat format needs: use the "
-                                    f"checkpoint's own tokenizer directory")
+                    raise DataError(
+                        f"the tokenizer has no special token {s!r} that the chat format needs: use the "
+                        f"checkpoint's own tokenizer directory"
+                    )
                 piece = [tid]
             else:
                 piece = next(encoded)

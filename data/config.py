@@ -4,6 +4,7 @@ Only OmegaConf-friendly types (str/int/float/bool/Optional/list/nested dataclass
 can embed it as its `data` group. The defaults need no network and no user files: one `embedded` source (the
 standard-library corpus, see `data/corpus.py`) and a BPE tokenizer trained on it once and cached.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -136,22 +137,30 @@ def validate(cfg: DataConfig) -> None:
     need(len(cfg.sources) > 0, "data.sources is empty: configure at least one source (default: type: embedded)")
     for i, s in enumerate(cfg.sources):
         need(s.type in SOURCE_TYPES, f"data.sources[{i}].type={s.type!r} is not one of {SOURCE_TYPES}")
-        need(s.type == "embedded" or bool(s.path),
-             f"data.sources[{i}].path is empty: set a file, dir, glob or hub name")
+        need(
+            s.type == "embedded" or bool(s.path), f"data.sources[{i}].path is empty: set a file, dir, glob or hub name"
+        )
         need(s.weight > 0, f"data.sources[{i}].weight={s.weight} must be > 0")
-        need(s.text_sample_by in TEXT_SAMPLE_BY,
-             f"data.sources[{i}].text_sample_by={s.text_sample_by!r} not in {TEXT_SAMPLE_BY}")
+        need(
+            s.text_sample_by in TEXT_SAMPLE_BY,
+            f"data.sources[{i}].text_sample_by={s.text_sample_by!r} not in {TEXT_SAMPLE_BY}",
+        )
         need(s.format in SOURCE_FORMATS, f"data.sources[{i}].format={s.format!r} is not one of {SOURCE_FORMATS}")
-        need(s.format == "text" or s.type not in ("embedded", "text"),
-             f"data.sources[{i}].format=chat needs records with a messages field: use type jsonl, json, parquet "
-             f"or hub (type {s.type} holds plain text)")
+        need(
+            s.format == "text" or s.type not in ("embedded", "text"),
+            f"data.sources[{i}].format=chat needs records with a messages field: use type jsonl, json, parquet "
+            f"or hub (type {s.type} holds plain text)",
+        )
     names = source_names(cfg)
     need(len(set(names)) == len(names), f"data.sources names {names} are not unique: set data.sources[i].name")
-    need(cfg.exhaustion in EXHAUSTION_POLICIES,
-         f"data.exhaustion={cfg.exhaustion!r} is not one of {EXHAUSTION_POLICIES}")
+    need(
+        cfg.exhaustion in EXHAUSTION_POLICIES, f"data.exhaustion={cfg.exhaustion!r} is not one of {EXHAUSTION_POLICIES}"
+    )
     need(cfg.packing in PACKING_MODES, f"data.packing={cfg.packing!r} is not one of {PACKING_MODES}")
-    need(cfg.long_conversations in LONG_CONVERSATIONS,
-         f"data.long_conversations={cfg.long_conversations!r} is not one of {LONG_CONVERSATIONS}")
+    need(
+        cfg.long_conversations in LONG_CONVERSATIONS,
+        f"data.long_conversations={cfg.long_conversations!r} is not one of {LONG_CONVERSATIONS}",
+    )
     need(cfg.shuffle_buffer >= 0, f"data.shuffle_buffer={cfg.shuffle_buffer} must be >= 0")
     need(0.0 <= cfg.max_bad_fraction <= 1.0, f"data.max_bad_fraction={cfg.max_bad_fraction} must be in [0, 1]")
     need(cfg.num_workers in (0, 1), f"data.num_workers={cfg.num_workers} must be 0 (inline) or 1 (background thread)")
@@ -160,9 +169,11 @@ def validate(cfg: DataConfig) -> None:
     need(t.type in TOKENIZER_TYPES, f"data.tokenizer.type={t.type!r} is not one of {TOKENIZER_TYPES}")
     need(t.model_type in ("bpe", "unigram"), f"data.tokenizer.model_type={t.model_type!r} must be bpe or unigram")
     need(t.vocab_size >= 64, f"data.tokenizer.vocab_size={t.vocab_size} is too small (>= 64)")
-    need(t.type != "tiktoken" or t.model_path or t.vocab_size >= 512,
-         f"data.tokenizer.vocab_size={t.vocab_size} is too small for a tiktoken tokenizer in the K3 layout (>= 512: "
-         f"256 bytes + 256 special tokens)")
+    need(
+        t.type != "tiktoken" or t.model_path or t.vocab_size >= 512,
+        f"data.tokenizer.vocab_size={t.vocab_size} is too small for a tiktoken tokenizer in the K3 layout (>= 512: "
+        f"256 bytes + 256 special tokens)",
+    )
     need(t.num_threads >= 1, f"data.tokenizer.num_threads={t.num_threads} must be >= 1")
 
 

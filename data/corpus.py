@@ -11,6 +11,7 @@ no file that is not UTF-8 or is shorter than 64 characters). The result therefor
 checkpoint resumed on a machine with a different corpus is detected. CPython 3.11.7: 606 modules cut into 1,729
 section documents, 10.7 MB of text, 3.27 M tokens with the default 4096-piece tokenizer.
 """
+
 from __future__ import annotations
 
 import json

@@ -5,6 +5,7 @@ POSIX and Windows for paths on one filesystem). Readers see the old file or the 
 ranks may build the same cached corpus or tokenizer at once and the last replace simply wins with equal bytes.
 `atomic_dir` does the same for a directory built in place (a cached tokenizer directory).
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -12,22 +12,25 @@ Learned from public sources (read, not copied):
   `<|end_of_msg|>`; assistant text lives in a `response` channel (and a `think` channel in thinking mode).
   Markers are control tokens; all text and attribute values are ordinary text.
 """
+
 from __future__ import annotations
 
 # Pattern parts of tokenization_kimi.py. `&&` is a character-class intersection: fancy-regex (tiktoken) and the
 # `regex` module in V1 mode understand it.
-K3_PAT_STR = "|".join([
-    r"""[\p{Han}]+""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"""
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"""
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""\p{N}{1,3}""",
-    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
-    r"""\s*[\r\n]+""",
-    r"""\s+(?!\S)""",
-    r"""\s+""",
-])
+K3_PAT_STR = "|".join(
+    [
+        r"""[\p{Han}]+""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"""
+        r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"""
+        r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
 
 NUM_RESERVED_SPECIAL_TOKENS = 256
 K3_BASE_VOCAB = 163_584  # the release: 163,584 BPE ranks + 256 special ids = 163,840
@@ -38,9 +41,22 @@ BOS, EOS_DOC, PAD, UNK = "[BOS]", "[EOS]", "[PAD]", "[UNK]"
 
 # id - base vocabulary -> name (the named slots of the release; the rest are reserved).
 SPECIAL_OFFSETS = {
-    0: BOS, 1: EOS_DOC, 2: END_OF_MSG, 3: OPEN, 4: CLOSE, 5: SEP, 6: "[start_header_id]", 7: "[end_header_id]",
-    9: "[EOT]", 18: "<|media_begin|>", 19: "<|media_content|>", 20: "<|media_end|>", 21: "<|media_pad|>",
-    65: "<osagent_mode>", 254: UNK, 255: PAD,
+    0: BOS,
+    1: EOS_DOC,
+    2: END_OF_MSG,
+    3: OPEN,
+    4: CLOSE,
+    5: SEP,
+    6: "[start_header_id]",
+    7: "[end_header_id]",
+    9: "[EOT]",
+    18: "<|media_begin|>",
+    19: "<|media_content|>",
+    20: "<|media_end|>",
+    21: "<|media_pad|>",
+    65: "<osagent_mode>",
+    254: UNK,
+    255: PAD,
 }
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = BOS, END_OF_MSG, PAD  # tokenizer_config.json bos/eos/pad of the release
 
@@ -51,8 +67,9 @@ def reserved_name(token_id: int) -> str:
 
 def special_tokens(num_base: int) -> dict[str, int]:
     """All 256 special tokens after a base vocabulary of `num_base` ranks: named slots + reserved names."""
-    return {SPECIAL_OFFSETS.get(k, reserved_name(num_base + k)): num_base + k
-            for k in range(NUM_RESERVED_SPECIAL_TOKENS)}
+    return {
+        SPECIAL_OFFSETS.get(k, reserved_name(num_base + k)): num_base + k for k in range(NUM_RESERVED_SPECIAL_TOKENS)
+    }
 
 
 # The conversation format as a chat_template.jinja (HF apply_chat_template variables: messages,

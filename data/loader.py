@@ -21,6 +21,7 @@ pointer is a row position, rows of the next step are re-split for the new layout
 a new global batch size, steps simply hold more or fewer rows from there on). A mid-step state restores only with
 the identical layout; otherwise load_state_dict raises.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -56,9 +57,18 @@ class _End:
 class GlobalBatchLoader:
     """Micro-batches of rank `rank` of `world_size`; the global batch of step s depends on (cfg, seed, s) only."""
 
-    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, seq_len: int, global_batch_size: int,
-                 micro_batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 loss_on: str = "assistant"):
+    def __init__(
+        self,
+        cfg: DataConfig,
+        tokenizer: Tokenizer,
+        seq_len: int,
+        global_batch_size: int,
+        micro_batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        loss_on: str = "assistant",
+    ):
         self.cfg = coerce_config(cfg)
         self.tokenizer = tokenizer
         if loss_on not in LOSS_ON:
@@ -79,11 +89,19 @@ class GlobalBatchLoader:
         if self.cfg.add_bos and tokenizer.bos_id is None:
             raise DataError("data.add_bos is set but the tokenizer has no bos piece: use a model with bos_id >= 0")
         idents = [source_identity(s, resolve_files(s, i)) for i, s in enumerate(self.cfg.sources)]
-        fp = {"data": stream_dict(self.cfg), "sources": idents, "seq_len": self.seq_len, "seed": self.seed,
-              "tokenizer": tokenizer.fingerprint}
+        fp = {
+            "data": stream_dict(self.cfg),
+            "sources": idents,
+            "seq_len": self.seq_len,
+            "seed": self.seed,
+            "tokenizer": tokenizer.fingerprint,
+        }
         if self.has_chat:  # conversations' rows and labels depend on these (text rows never do)
-            fp["chat"] = {"loss_on": loss_on, "format": self.renderer.name,
-                          "template": digest(getattr(tokenizer, "chat_template", None) or "")}
+            fp["chat"] = {
+                "loss_on": loss_on,
+                "format": self.renderer.name,
+                "template": digest(getattr(tokenizer, "chat_template", None) or ""),
+            }
         self.fingerprint = digest(fp)
         self._step, self._micro_done, self._ptr = 0, 0, None  # next micro-batch to hand out
         self._stats: dict = {}
@@ -101,8 +119,10 @@ class GlobalBatchLoader:
         if not (0 <= self.rank < W):
             raise DataError(f"rank={self.rank} is outside world_size={W}")
         if G <= 0 or b <= 0 or G % (b * W):
-            raise DataError(f"global_batch_size={G} is not a multiple of micro_batch_size*world_size={b}*{W}: "
-                            f"choose global_batch_size = k*{b * W}")
+            raise DataError(
+                f"global_batch_size={G} is not a multiple of micro_batch_size*world_size={b}*{W}: "
+                f"choose global_batch_size = k*{b * W}"
+            )
         self.grad_accum = G // (b * W)
 
     # -- pipeline -----------------------------------------------------------------------------------------------
@@ -111,8 +131,17 @@ class GlobalBatchLoader:
         windows = ShuffledWindows(mixer, self.cfg.shuffle_buffer, self.seed)
         tok = self.tokenizer
         pad = tok.pad_id if tok.pad_id is not None else (tok.eos_id if tok.eos_id is not None else 0)
-        packer = Packer(windows, tok, self.seq_len, self.cfg.packing, tok.bos_id if self.cfg.add_bos else None,
-                        tok.eos_id if self.cfg.add_eos else None, pad, self.loss_on, self.cfg.long_conversations)
+        packer = Packer(
+            windows,
+            tok,
+            self.seq_len,
+            self.cfg.packing,
+            tok.bos_id if self.cfg.add_bos else None,
+            tok.eos_id if self.cfg.add_eos else None,
+            pad,
+            self.loss_on,
+            self.cfg.long_conversations,
+        )
         if ptr is not None:
             packer.load_state_dict(ptr)
         return packer, mixer
@@ -131,11 +160,16 @@ class GlobalBatchLoader:
                 rows.append(row)
             ptr_end = packer.state_dict()
             c = packer.counters
-            stats = {"step": step, **c, "packing_efficiency": c["tokens"] / max(1, c["tokens"] + c["padding"]),
-                     "loss_token_fraction": c["loss_tokens"] / max(1, c["tokens"]), **mixer.stats()}
-            mine = rows[self.rank * share:(self.rank + 1) * share]
+            stats = {
+                "step": step,
+                **c,
+                "packing_efficiency": c["tokens"] / max(1, c["tokens"] + c["padding"]),
+                "loss_token_fraction": c["loss_tokens"] / max(1, c["tokens"]),
+                **mixer.stats(),
+            }
+            mine = rows[self.rank * share : (self.rank + 1) * share]
             for k in range(skip_micro, self.grad_accum):
-                yield _Item(step, k, ptr_start, ptr_end, stats, collate(mine[k * b:(k + 1) * b]))
+                yield _Item(step, k, ptr_start, ptr_end, stats, collate(mine[k * b : (k + 1) * b]))
             step, skip_micro = step + 1, 0
 
     def _worker(self, gen: Iterator[_Item], q: queue.Queue) -> None:
@@ -163,8 +197,9 @@ class GlobalBatchLoader:
             else:
                 self._stop.clear()
                 self._queue = queue.Queue(maxsize=self.cfg.prefetch * self.grad_accum)
-                self._thread = threading.Thread(target=self._worker, args=(gen, self._queue), daemon=True,
-                                                name=f"k3-data-r{self.rank}")
+                self._thread = threading.Thread(
+                    target=self._worker, args=(gen, self._queue), daemon=True, name=f"k3-data-r{self.rank}"
+                )
                 self._thread.start()
         if self._gen is not None:
             item = next(self._gen, None)
@@ -209,27 +244,44 @@ class GlobalBatchLoader:
         return {**self._stats, "rank_tokens": self._rank_tokens}
 
     def state_dict(self) -> dict:
-        return {"version": STATE_VERSION, "fingerprint": self.fingerprint, "step": self._step,
-                "micro_done": self._micro_done, "pointer": self._ptr, "world_size": self.world_size,
-                "micro_batch_size": self.micro_batch_size, "global_batch_size": self.global_batch_size,
-                "stats": self._stats, "rank_tokens": self._rank_tokens}
+        return {
+            "version": STATE_VERSION,
+            "fingerprint": self.fingerprint,
+            "step": self._step,
+            "micro_done": self._micro_done,
+            "pointer": self._ptr,
+            "world_size": self.world_size,
+            "micro_batch_size": self.micro_batch_size,
+            "global_batch_size": self.global_batch_size,
+            "stats": self._stats,
+            "rank_tokens": self._rank_tokens,
+        }
 
     def load_state_dict(self, state: dict, strict: bool = True) -> None:
         """Continue exactly after the state's last micro-batch (see module doc for world-size changes)."""
         if state.get("version") != STATE_VERSION:
-            raise DataError(f"data loader state version {state.get('version')} != {STATE_VERSION}: "
-                            f"it was written by an incompatible k3-train")
+            raise DataError(
+                f"data loader state version {state.get('version')} != {STATE_VERSION}: "
+                f"it was written by an incompatible k3-train"
+            )
         if strict and state["fingerprint"] != self.fingerprint:
-            raise DataError(f"data loader state fingerprint {state['fingerprint']} != {self.fingerprint}: the data "
-                            f"config, files, tokenizer, seq_len or seed changed (load_state_dict(strict=False) to "
-                            f"continue anyway)")
+            raise DataError(
+                f"data loader state fingerprint {state['fingerprint']} != {self.fingerprint}: the data "
+                f"config, files, tokenizer, seq_len or seed changed (load_state_dict(strict=False) to "
+                f"continue anyway)"
+            )
         same_layout = (state["world_size"], state["micro_batch_size"], state["global_batch_size"]) == (
-            self.world_size, self.micro_batch_size, self.global_batch_size)
+            self.world_size,
+            self.micro_batch_size,
+            self.global_batch_size,
+        )
         if state["micro_done"] and not same_layout:
-            raise DataError(f"data loader state is {state['micro_done']} micro-batches into step {state['step']} "
-                            f"and the layout changed (world_size/micro/global batch): resume from a step-boundary "
-                            f"checkpoint or keep world_size={state['world_size']}, "
-                            f"micro_batch_size={state['micro_batch_size']}")
+            raise DataError(
+                f"data loader state is {state['micro_done']} micro-batches into step {state['step']} "
+                f"and the layout changed (world_size/micro/global batch): resume from a step-boundary "
+                f"checkpoint or keep world_size={state['world_size']}, "
+                f"micro_batch_size={state['micro_batch_size']}"
+            )
         self.close()
         self._step, self._micro_done, self._ptr = int(state["step"]), int(state["micro_done"]), state["pointer"]
         self._stats, self._rank_tokens = dict(state["stats"]), int(state["rank_tokens"])

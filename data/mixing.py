@@ -13,6 +13,7 @@ permuted by a generator seeded with (seed, window index). A document thus moves 
 reservoir buffer, whose contents would have to be saved, this is exactly resumable from a small state: the
 position of the window start (mixer + source states), re-reading at most one window.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Union
@@ -33,8 +34,9 @@ class DocumentMixer:
 
     def __init__(self, cfg: DataConfig, seed: int, renderer=None, report: bool = True):
         self.names = source_names(cfg)
-        self.streams = [SourceStream(s, i, cfg.max_bad_fraction, renderer, report, self.names[i])
-                        for i, s in enumerate(cfg.sources)]
+        self.streams = [
+            SourceStream(s, i, cfg.max_bad_fraction, renderer, report, self.names[i]) for i, s in enumerate(cfg.sources)
+        ]
         w = np.array([s.weight for s in cfg.sources], dtype=np.float64)
         self.cum_weights = np.cumsum(w / w.sum())
         self.loop = cfg.exhaustion == "loop"
@@ -43,8 +45,12 @@ class DocumentMixer:
         self.ended = False
 
     def state_dict(self) -> dict:
-        return {"rng": self.rng.bit_generator.state, "docs": list(self.docs), "ended": self.ended,
-                "sources": [s.state_dict() for s in self.streams]}
+        return {
+            "rng": self.rng.bit_generator.state,
+            "docs": list(self.docs),
+            "ended": self.ended,
+            "sources": [s.state_dict() for s in self.streams],
+        }
 
     def load_state_dict(self, st: dict) -> None:
         self.rng.bit_generator.state = st["rng"]
@@ -74,11 +80,17 @@ class DocumentMixer:
 
     def stats(self) -> dict:
         skipped = {r: sum(s.skipped.get(r, 0) for s in self.streams) for r in SKIP_REASONS}
-        per_source = {f"{name}/skipped_{r}": s.skipped[r]
-                      for name, s in zip(self.names, self.streams) for r in s.reasons}
-        return {"records_read": sum(s.total_read for s in self.streams), "skipped": skipped,
-                "skipped_total": sum(skipped.values()), "source_docs": list(self.docs),
-                "source_epochs": [s.epoch for s in self.streams], **per_source}
+        per_source = {
+            f"{name}/skipped_{r}": s.skipped[r] for name, s in zip(self.names, self.streams) for r in s.reasons
+        }
+        return {
+            "records_read": sum(s.total_read for s in self.streams),
+            "skipped": skipped,
+            "skipped_total": sum(skipped.values()),
+            "source_docs": list(self.docs),
+            "source_epochs": [s.epoch for s in self.streams],
+            **per_source,
+        }
 
 
 class ShuffledWindows:

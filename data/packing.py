@@ -16,6 +16,7 @@ flattened row-major to [1, b*T] carries `cu_seqlens` with a boundary at every ro
 resets its state/conv there and MLA uses block-diagonal causal masks. The position of the next row is the small
 `state_dict()`: (window anchor, document index in the shuffled window, token offset) plus counters.
 """
+
 from __future__ import annotations
 
 import copy
@@ -32,8 +33,16 @@ from data.mixing import ShuffledWindows
 IGNORE_INDEX = -100
 _ENCODE_BATCH = 32  # documents per tokenizer call
 _MAX_DROPPED_IN_A_ROW = 1000  # consecutive dropped conversations: the data cannot fill rows (never spin forever)
-_COUNTERS = ("rows", "tokens", "padding", "documents", "loss_tokens", "conversations", "conversations_truncated",
-             "conversations_dropped")
+_COUNTERS = (
+    "rows",
+    "tokens",
+    "padding",
+    "documents",
+    "loss_tokens",
+    "conversations",
+    "conversations_truncated",
+    "conversations_dropped",
+)
 
 
 @dataclass
@@ -55,8 +64,18 @@ class _Doc:
 class Packer:
     """Turns the shuffled document windows into rows; exactly restorable from `state_dict()`."""
 
-    def __init__(self, windows: ShuffledWindows, tokenizer, seq_len: int, mode: str, bos_id: Optional[int],
-                 eos_id: Optional[int], pad_id: int, loss_on: str = "assistant", long_conversations: str = "truncate"):
+    def __init__(
+        self,
+        windows: ShuffledWindows,
+        tokenizer,
+        seq_len: int,
+        mode: str,
+        bos_id: Optional[int],
+        eos_id: Optional[int],
+        pad_id: int,
+        loss_on: str = "assistant",
+        long_conversations: str = "truncate",
+    ):
         self.windows, self.tokenizer, self.seq_len, self.mode = windows, tokenizer, seq_len, mode
         self.prefix = [bos_id] if bos_id is not None else []
         self.suffix = [eos_id] if eos_id is not None else []
@@ -101,8 +120,9 @@ class Packer:
         for (k, _), ids in zip(texts, self.tokenizer.encode_batch([d for _, d in texts]) if texts else []):
             arr = np.asarray(self.prefix + ids + self.suffix, dtype=np.int32)
             out[k] = _Doc(arr, np.ones(len(arr), dtype=bool), False)
-        for (k, _), (ids, loss) in zip(convs, encode_conversations(self.tokenizer, [d for _, d in convs],
-                                                                   self.loss_on) if convs else []):
+        for (k, _), (ids, loss) in zip(
+            convs, encode_conversations(self.tokenizer, [d for _, d in convs], self.loss_on) if convs else []
+        ):
             if self.prefix:
                 ids = np.concatenate([np.asarray(self.prefix, np.int32), ids])
                 loss = np.concatenate([np.asarray([self.loss_on == "all"]), loss])
@@ -111,14 +131,14 @@ class Packer:
                 if self.long_conversations == "drop":
                     doc = _Doc(ids[:0], loss[:0], True, "dropped")
                 else:
-                    doc = _Doc(ids[:self.seq_len], loss[:self.seq_len], True, "truncated")
+                    doc = _Doc(ids[: self.seq_len], loss[: self.seq_len], True, "truncated")
             out[k] = doc
         return out  # type: ignore[return-value]
 
     def _doc(self, j: int) -> _Doc:
         """Window document j; tokenized lazily in small batches so a restore re-encodes little."""
         if j not in self.docs:
-            self.docs = {j + k: d for k, d in enumerate(self._encode(self.texts[j:j + _ENCODE_BATCH]))}
+            self.docs = {j + k: d for k, d in enumerate(self._encode(self.texts[j : j + _ENCODE_BATCH]))}
         return self.docs[j]
 
     def _current(self) -> Optional[_Doc]:
@@ -136,9 +156,11 @@ class Packer:
                 self.counters["conversations_dropped"] += 1
                 self._dropped_in_a_row += 1
                 if self._dropped_in_a_row >= _MAX_DROPPED_IN_A_ROW:
-                    raise DataError(f"{self._dropped_in_a_row} conversations in a row are longer than seq_len="
-                                    f"{self.seq_len} and were dropped (data.long_conversations=drop): raise "
-                                    f"train.seq_len or set data.long_conversations=truncate")
+                    raise DataError(
+                        f"{self._dropped_in_a_row} conversations in a row are longer than seq_len="
+                        f"{self.seq_len} and were dropped (data.long_conversations=drop): raise "
+                        f"train.seq_len or set data.long_conversations=truncate"
+                    )
             self.j, self.o = self.j + 1, 0
 
     # -- rows ---------------------------------------------------------------------------------------------------
@@ -166,8 +188,8 @@ class Packer:
             elif fill == 0:
                 starts.append(0)  # a row start inside a document
             take = min(T - fill, rem)
-            row[fill:fill + take] = doc.ids[self.o:self.o + take]
-            loss[fill:fill + take] = doc.loss[self.o:self.o + take]
+            row[fill : fill + take] = doc.ids[self.o : self.o + take]
+            loss[fill : fill + take] = doc.loss[self.o : self.o + take]
             fill += take
             self.o += take
             if self.o == len(doc.ids):
@@ -197,9 +219,13 @@ def collate(rows: list[Row]) -> dict:
     for i, r in enumerate(rows):
         if r.loss is not None:
             labels_BT[i, torch.from_numpy(~r.loss)] = IGNORE_INDEX
-        labels_BT[i, r.n_valid:] = IGNORE_INDEX
+        labels_BT[i, r.n_valid :] = IGNORE_INDEX
         labels_BT[i, r.starts] = IGNORE_INDEX
         bounds.extend(i * T + s for s in r.starts)
     bounds.append(b * T)
-    return {"input_ids": ids_BT, "labels": labels_BT, "cu_seqlens": torch.tensor(bounds, dtype=torch.int32),
-            "num_tokens": int(sum(r.n_valid for r in rows))}
+    return {
+        "input_ids": ids_BT,
+        "labels": labels_BT,
+        "cu_seqlens": torch.tensor(bounds, dtype=torch.int32),
+        "num_tokens": int(sum(r.n_valid for r in rows)),
+    }

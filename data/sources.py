@@ -9,6 +9,7 @@ UTF-8 here, so one malformed line, one invalid UTF-8 byte or one missing field i
 aborting the whole file. Each skip kind is reported once per source on stderr (one line, counts in
 `loader.stats()` as `<name>/skipped_<kind>`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -74,8 +75,15 @@ def source_identity(src: SourceConfig, files: list[str]) -> dict:
 class SourceStream:
     """Valid documents of one source, epoch by epoch, with an exact, restorable position."""
 
-    def __init__(self, src: SourceConfig, index: int, max_bad_fraction: float, renderer=None,
-                 report: bool = True, label: Optional[str] = None):
+    def __init__(
+        self,
+        src: SourceConfig,
+        index: int,
+        max_bad_fraction: float,
+        renderer=None,
+        report: bool = True,
+        label: Optional[str] = None,
+    ):
         self.src, self.index, self.max_bad_fraction = src, index, max_bad_fraction
         self.chat = src.format == "chat"
         self.renderer, self.report = renderer, report  # chat: segments when given, else validated messages
@@ -96,8 +104,14 @@ class SourceStream:
     # -- position -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         ds_state = copy.deepcopy(self._ds.state_dict()) if self._it is not None else self._ds_state
-        return {"epoch": self.epoch, "read": self.read, "valid": self.valid, "total_read": self.total_read,
-                "skipped": dict(self.skipped), "ds": ds_state}
+        return {
+            "epoch": self.epoch,
+            "read": self.read,
+            "valid": self.valid,
+            "total_read": self.total_read,
+            "skipped": dict(self.skipped),
+            "ds": ds_state,
+        }
 
     def load_state_dict(self, st: dict) -> None:
         self.epoch, self.read, self.valid, self.total_read = st["epoch"], st["read"], st["valid"], st["total_read"]
@@ -112,11 +126,18 @@ class SourceStream:
         t = self.src.type
         try:
             if t in ("jsonl", "json", "embedded"):
-                ds = datasets.load_dataset("text", data_files=self.files, split="train", streaming=True,
-                                           encoding="latin-1")
+                ds = datasets.load_dataset(
+                    "text", data_files=self.files, split="train", streaming=True, encoding="latin-1"
+                )
             elif t == "text":
-                ds = datasets.load_dataset("text", data_files=self.files, split="train", streaming=True,
-                                           encoding="latin-1", sample_by=self.src.text_sample_by)
+                ds = datasets.load_dataset(
+                    "text",
+                    data_files=self.files,
+                    split="train",
+                    streaming=True,
+                    encoding="latin-1",
+                    sample_by=self.src.text_sample_by,
+                )
             elif t == "parquet":
                 ds = datasets.load_dataset("parquet", data_files=self.files, split="train", streaming=True)
             else:  # hub
@@ -136,11 +157,14 @@ class SourceStream:
             try:
                 cols = pq.read_schema(f).names
             except Exception as e:  # noqa: BLE001 - unreadable file: one line naming it
-                raise DataError(f"data.{self.name}: {f} is not a readable parquet file ({type(e).__name__}): "
-                                f"fix or remove it") from None
+                raise DataError(
+                    f"data.{self.name}: {f} is not a readable parquet file ({type(e).__name__}): fix or remove it"
+                ) from None
             if field not in cols:
-                raise DataError(f"data.{self.name}: {os.path.basename(f)} has no column {field!r} (columns: "
-                                f"{', '.join(cols[:8])}): set data.sources[{self.index}].{key}")
+                raise DataError(
+                    f"data.{self.name}: {os.path.basename(f)} has no column {field!r} (columns: "
+                    f"{', '.join(cols[:8])}): set data.sources[{self.index}].{key}"
+                )
 
     def _close(self) -> None:
         """Close the datasets generator now (not at interpreter exit, where its cleanup would print noise)."""
@@ -169,8 +193,15 @@ class SourceStream:
                 return doc
             self.skipped[reason] += 1
             if self.skipped[reason] == 1 and self.report:
-                log.warning("data: %s: skipping %s rows (first at record %d of epoch %d); counted in "
-                            "data/%s/skipped_%s", self.name, reason, self.read, self.epoch, self.label, reason)
+                log.warning(
+                    "data: %s: skipping %s rows (first at record %d of epoch %d); counted in data/%s/skipped_%s",
+                    self.name,
+                    reason,
+                    self.read,
+                    self.epoch,
+                    self.label,
+                    reason,
+                )
             if self.total_read >= _MIN_RECORDS_FOR_BAD_CHECK:
                 self._check_bad_fraction()
         if self.total_read:
@@ -187,8 +218,10 @@ class SourceStream:
         if self.valid == 0:
             self._close()
             field = "messages_field" if self.chat else "text_field"
-            raise DataError(f"data.{self.name} has no usable documents ({self.read} records read, skipped: "
-                            f"{ {k: v for k, v in self.skipped.items() if v} }): fix the source or its {field}")
+            raise DataError(
+                f"data.{self.name} has no usable documents ({self.read} records read, skipped: "
+                f"{ {k: v for k, v in self.skipped.items() if v} }): fix the source or its {field}"
+            )
 
     def new_epoch(self) -> None:
         self.check_usable()
@@ -199,9 +232,11 @@ class SourceStream:
         bad = sum(self.skipped.values())
         if bad > self.max_bad_fraction * self.total_read:
             self._close()
-            raise DataError(f"data.{self.name}: {bad} of {self.total_read} records skipped "
-                            f"({ {k: v for k, v in self.skipped.items() if v} }) > max_bad_fraction="
-                            f"{self.max_bad_fraction}: fix the data or raise data.max_bad_fraction")
+            raise DataError(
+                f"data.{self.name}: {bad} of {self.total_read} records skipped "
+                f"({ {k: v for k, v in self.skipped.items() if v} }) > max_bad_fraction="
+                f"{self.max_bad_fraction}: fix the data or raise data.max_bad_fraction"
+            )
 
     def _parse(self, record: dict) -> tuple[Any, Optional[str]]:
         t = self.src.type

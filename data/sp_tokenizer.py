@@ -6,6 +6,7 @@ models: pad 0, unk 1, bos 2, eos 3. `prepare_sentencepiece(cfg)` trains one once
 `<cache>/tokenizers/<hash of sources + settings>.model`, so every rank and every later run reuses the identical
 file; `save(dir)` copies it beside a checkpoint so a run stays reproducible.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -33,8 +34,11 @@ class SentencePieceTokenizer(Tokenizer):
         self.model_proto, self.path, self.num_threads = model_proto, path, num_threads
         self.fingerprint = hashlib.sha256(model_proto).hexdigest()[:16]
         # control pieces (pad/bos/eos) and unk; user-defined symbols are ordinary (always atomic) pieces here
-        self._special = {self.sp.id_to_piece(i): i for i in range(self.sp.get_piece_size())
-                         if self.sp.is_control(i) or self.sp.is_unknown(i)}
+        self._special = {
+            self.sp.id_to_piece(i): i
+            for i in range(self.sp.get_piece_size())
+            if self.sp.is_control(i) or self.sp.is_unknown(i)
+        }
         tpl = Path(path).with_name("chat_template.jinja") if path else None
         self.chat_template = tpl.read_text(encoding="utf-8") if tpl is not None and tpl.is_file() else None
 
@@ -121,7 +125,7 @@ def _training_lines(cfg: DataConfig) -> Iterator[str]:
     for doc in training_texts(cfg, cfg.tokenizer.train_max_lines):
         for line in doc.split("\n"):
             for k in range(0, len(line), _MAX_LINE_CHARS):
-                piece = line[k:k + _MAX_LINE_CHARS]
+                piece = line[k : k + _MAX_LINE_CHARS]
                 if piece.strip() and budget > 0:
                     budget -= 1
                     yield piece
@@ -150,18 +154,39 @@ def train_sentencepiece(cfg: DataConfig, out_path: Union[str, os.PathLike]) -> S
     proto = _ProtoWriter()
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=all_lines(), model_writer=proto, model_type=t.model_type, vocab_size=t.vocab_size,
-            byte_fallback=t.byte_fallback, character_coverage=t.character_coverage,
-            normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=False,
-            allow_whitespace_only_pieces=True, split_digits=True, max_sentence_length=4 * _MAX_LINE_CHARS + 16,
-            pad_id=0, unk_id=1, bos_id=2, eos_id=3, pad_piece=t.pad_piece, unk_piece=t.unk_piece,
-            bos_piece=t.bos_piece, eos_piece=t.eos_piece, user_defined_symbols=list(t.user_defined_symbols),
-            input_sentence_size=0, num_threads=1, minloglevel=2, hard_vocab_limit=True)
+            sentence_iterator=all_lines(),
+            model_writer=proto,
+            model_type=t.model_type,
+            vocab_size=t.vocab_size,
+            byte_fallback=t.byte_fallback,
+            character_coverage=t.character_coverage,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            add_dummy_prefix=False,
+            allow_whitespace_only_pieces=True,
+            split_digits=True,
+            max_sentence_length=4 * _MAX_LINE_CHARS + 16,
+            pad_id=0,
+            unk_id=1,
+            bos_id=2,
+            eos_id=3,
+            pad_piece=t.pad_piece,
+            unk_piece=t.unk_piece,
+            bos_piece=t.bos_piece,
+            eos_piece=t.eos_piece,
+            user_defined_symbols=list(t.user_defined_symbols),
+            input_sentence_size=0,
+            num_threads=1,
+            minloglevel=2,
+            hard_vocab_limit=True,
+        )
     except RuntimeError as e:
         if failure:
             raise failure[0] from None
-        raise DataError(f"sentencepiece training failed: {str(e).splitlines()[-1].strip()} (e.g. lower "
-                        f"data.tokenizer.vocab_size={t.vocab_size} for a small corpus)") from e
+        raise DataError(
+            f"sentencepiece training failed: {str(e).splitlines()[-1].strip()} (e.g. lower "
+            f"data.tokenizer.vocab_size={t.vocab_size} for a small corpus)"
+        ) from e
     if failure:
         raise failure[0]
     atomic_write(out, proto.data)
@@ -187,8 +212,15 @@ def tokenizer_cache_key(cfg: DataConfig) -> str:
 
     ids = [source_identity(s, resolve_files(s, i)) for i, s in enumerate(cfg.sources)]
     d = stream_dict(cfg)
-    return digest({"tokenizer": d["tokenizer"], "sources": d["sources"], "data": ids,
-                   "max_bad_fraction": cfg.max_bad_fraction, "spm": spm.__version__})
+    return digest(
+        {
+            "tokenizer": d["tokenizer"],
+            "sources": d["sources"],
+            "data": ids,
+            "max_bad_fraction": cfg.max_bad_fraction,
+            "spm": spm.__version__,
+        }
+    )
 
 
 def prepare_sentencepiece(cfg: DataConfig) -> SentencePieceTokenizer:

@@ -13,6 +13,7 @@ Encoding goes through `tiktoken.Encoding` with K3's pre-tokenisation pattern (da
 encoded as ordinary text (`encode_ordinary`): special-token text inside user content never becomes a control
 token unless the caller allows it by name (`allowed_special`); a special token is never split when allowed.
 """
+
 from __future__ import annotations
 
 import base64
@@ -48,8 +49,9 @@ def read_ranks(path: Union[str, os.PathLike]) -> dict[bytes, int]:
 
 def ranks_bytes(ranks: dict[bytes, int]) -> bytes:
     """The `tiktoken.model` text of `ranks`, in rank order."""
-    return b"".join(base64.b64encode(t) + b" " + str(r).encode() + b"\n"
-                    for t, r in sorted(ranks.items(), key=lambda kv: kv[1]))
+    return b"".join(
+        base64.b64encode(t) + b" " + str(r).encode() + b"\n" for t, r in sorted(ranks.items(), key=lambda kv: kv[1])
+    )
 
 
 def _token_text(v: Any) -> Optional[str]:
@@ -93,8 +95,14 @@ def read_specials(directory: Path, num_base: int) -> tuple[dict[str, int], dict[
     return specials, roles, template
 
 
-_RELEASE_FILES = ("tiktoken.model", "tokenizer_config.json", "added_tokens.json", "special_tokens_map.json",
-                  "chat_template.jinja", "tokenization_kimi.py")
+_RELEASE_FILES = (
+    "tiktoken.model",
+    "tokenizer_config.json",
+    "added_tokens.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "tokenization_kimi.py",
+)
 
 
 class TiktokenTokenizer(Tokenizer):
@@ -102,13 +110,22 @@ class TiktokenTokenizer(Tokenizer):
 
     kind = "tiktoken"
 
-    def __init__(self, ranks: dict[bytes, int], specials: dict[str, int], roles: dict[str, Optional[str]],
-                 chat_template: Optional[str] = None, pat_str: str = K3_PAT_STR, path: Optional[str] = None,
-                 num_threads: int = 1):
+    def __init__(
+        self,
+        ranks: dict[bytes, int],
+        specials: dict[str, int],
+        roles: dict[str, Optional[str]],
+        chat_template: Optional[str] = None,
+        pat_str: str = K3_PAT_STR,
+        path: Optional[str] = None,
+        num_threads: int = 1,
+    ):
         overlap = set(ranks.values()) & set(specials.values())
         if overlap:
-            raise DataError(f"special token ids {sorted(overlap)[:4]} collide with BPE ranks: the tokenizer files "
-                            f"disagree (tiktoken.model vs tokenizer_config.json)")
+            raise DataError(
+                f"special token ids {sorted(overlap)[:4]} collide with BPE ranks: the tokenizer files "
+                f"disagree (tiktoken.model vs tokenizer_config.json)"
+            )
         self.enc = tiktoken.Encoding(name="k3", pat_str=pat_str, mergeable_ranks=ranks, special_tokens=specials)
         self.ranks, self._specials, self.roles = ranks, dict(specials), dict(roles)
         self.pat_str, self.chat_template, self.path, self.num_threads = pat_str, chat_template, path, num_threads
@@ -122,13 +139,16 @@ class TiktokenTokenizer(Tokenizer):
         p = Path(path).expanduser()
         main = p / "tiktoken.model" if p.is_dir() else p
         if not main.is_file():
-            raise DataError(f"{str(path)!r} has no tiktoken.model: point data.tokenizer.model_path at a directory "
-                            f"in the K3 release layout (python -m data.tokenizer build-tiktoken makes one)")
+            raise DataError(
+                f"{str(path)!r} has no tiktoken.model: point data.tokenizer.model_path at a directory "
+                f"in the K3 release layout (python -m data.tokenizer build-tiktoken makes one)"
+            )
         ranks = read_ranks(main)
         specials, roles, template = read_specials(main.parent, len(ranks))
         defaults = {"bos": BOS_TOKEN, "eos": EOS_TOKEN, "pad": PAD_TOKEN}
-        roles = {k: v if v is not None else (defaults[k] if defaults[k] in specials else None)
-                 for k, v in roles.items()}
+        roles = {
+            k: v if v is not None else (defaults[k] if defaults[k] in specials else None) for k, v in roles.items()
+        }
         return cls(ranks, specials, roles, template, path=str(main), num_threads=num_threads)
 
     @property
@@ -164,12 +184,22 @@ class TiktokenTokenizer(Tokenizer):
 
     def config_json(self) -> dict:
         """The `tokenizer_config.json` content describing this tokenizer (release field names)."""
-        return {"tokenizer_class": "TikTokenTokenizer",
-                "added_tokens_decoder": {str(i): {"content": t, "special": True, "lstrip": False, "rstrip": False,
-                                                  "normalized": False, "single_word": False}
-                                         for t, i in sorted(self._specials.items(), key=lambda kv: kv[1])},
-                **{f"{k}_token": v for k, v in self.roles.items()},
-                "model_max_length": 1_048_576}
+        return {
+            "tokenizer_class": "TikTokenTokenizer",
+            "added_tokens_decoder": {
+                str(i): {
+                    "content": t,
+                    "special": True,
+                    "lstrip": False,
+                    "rstrip": False,
+                    "normalized": False,
+                    "single_word": False,
+                }
+                for t, i in sorted(self._specials.items(), key=lambda kv: kv[1])
+            },
+            **{f"{k}_token": v for k, v in self.roles.items()},
+            "model_max_length": 1_048_576,
+        }
 
     def save(self, directory: Union[str, os.PathLike]) -> Path:
         """Write tiktoken.model, tokenizer_config.json (and chat_template.jinja) into `directory`.

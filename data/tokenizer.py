@@ -15,6 +15,7 @@ CLI: `python -m data.tokenizer train --out tok.model [--vocab-size N] [--source-
 (sentencepiece); `python -m data.tokenizer build-tiktoken --out DIR [--vocab-size 1024]` (a small tokenizer in
 the K3 release layout); `python -m data.tokenizer encode --model <file|dir> TEXT` (either kind).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,16 @@ from data.sp_tokenizer import SentencePieceTokenizer, prepare_sentencepiece, tra
 from data.tiktoken_tokenizer import TiktokenTokenizer
 from data.tokenizer_base import AllowedSpecial, Tokenizer, detect_kind
 
-__all__ = ["AllowedSpecial", "SentencePieceTokenizer", "TiktokenTokenizer", "Tokenizer", "detect_kind",
-           "load_tokenizer", "prepare_tokenizer", "train_tokenizer"]
+__all__ = [
+    "AllowedSpecial",
+    "SentencePieceTokenizer",
+    "TiktokenTokenizer",
+    "Tokenizer",
+    "detect_kind",
+    "load_tokenizer",
+    "prepare_tokenizer",
+    "train_tokenizer",
+]
 
 
 def load_tokenizer(path: Union[str, os.PathLike], num_threads: int = 1, kind: str = "auto") -> Tokenizer:
@@ -91,12 +100,20 @@ def main(argv: Optional[list[str]] = None) -> None:
 
             src = SourceConfig(type=a.source_type, path=a.source_path, format=a.source_format)
             tok = build_tiktoken_dir(a.out, a.vocab_size, DataConfig(sources=[src]), a.max_chars)
-            short = "" if tok.vocab_size == a.vocab_size else (
-                f"; the text supports only {tok.vocab_size - 512} of {a.vocab_size - 512} merges: raise --max-chars "
-                f"or use more text")
-            print(f"wrote {a.out}: tiktoken.model + tokenizer_config.json + chat_template.jinja, vocab "
-                  f"{tok.vocab_size} (bos {tok.bos_id}, eos {tok.eos_id}, pad {tok.pad_id}), sha256 "
-                  f"{tok.fingerprint}{short}")
+            short = (
+                ""
+                if tok.vocab_size == a.vocab_size
+                else (
+                    f"; the text supports only {tok.vocab_size - 512} of {a.vocab_size - 512} merges: "
+                    "raise --max-chars "
+                    f"or use more text"
+                )
+            )
+            print(
+                f"wrote {a.out}: tiktoken.model + tokenizer_config.json + chat_template.jinja, vocab "
+                f"{tok.vocab_size} (bos {tok.bos_id}, eos {tok.eos_id}, pad {tok.pad_id}), sha256 "
+                f"{tok.fingerprint}{short}"
+            )
         else:
             tok = load_tokenizer(a.model)
             print(tok.encode(a.text, allowed_special="all" if a.allow_special else frozenset()))

@@ -3,6 +3,7 @@
 sentencepiece (data/sp_tokenizer.py) and tiktoken (data/tiktoken_tokenizer.py) register in `KINDS`;
 `Tokenizer.load` detects the kind from the files; `data.tokenizer` imports both and is the public entry point.
 """
+
 from __future__ import annotations
 
 import abc
@@ -71,8 +72,10 @@ class Tokenizer(abc.ABC):
         """Load a tokenizer file or directory of either kind; `kind` auto detects it from the file names."""
         found, main = detect_kind(path)
         if kind not in ("auto", found):
-            raise DataError(f"data.tokenizer.type={kind} but {str(path)!r} holds a {found} tokenizer: set "
-                            f"data.tokenizer.type={found} (or auto)")
+            raise DataError(
+                f"data.tokenizer.type={kind} but {str(path)!r} holds a {found} tokenizer: set "
+                f"data.tokenizer.type={found} (or auto)"
+            )
         if found not in KINDS:
             raise DataError(f"the {found} tokenizer kind is not registered: load tokenizers through data.tokenizer")
         return KINDS[found].load(main, num_threads)
@@ -85,11 +88,14 @@ def detect_kind(path: Union[str, os.PathLike]) -> tuple[str, Path]:
         for name, kind in (("tiktoken.model", "tiktoken"), ("tokenizer.model", "sentencepiece")):
             if (p / name).is_file():
                 return kind, p / name
-        raise DataError(f"{str(path)!r} holds no tokenizer.model (sentencepiece) or tiktoken.model (tiktoken): "
-                        f"point data.tokenizer.model_path at a tokenizer file or directory")
+        raise DataError(
+            f"{str(path)!r} holds no tokenizer.model (sentencepiece) or tiktoken.model (tiktoken): "
+            f"point data.tokenizer.model_path at a tokenizer file or directory"
+        )
     if not p.is_file():
-        raise DataError(f"tokenizer {str(path)!r} not found: set data.tokenizer.model_path to a tokenizer file or "
-                        f"directory")
+        raise DataError(
+            f"tokenizer {str(path)!r} not found: set data.tokenizer.model_path to a tokenizer file or directory"
+        )
     if p.name == "tiktoken.model":
         return "tiktoken", p
     with open(p, "rb") as f:

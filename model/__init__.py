@@ -3,6 +3,7 @@
 Public API: `K3Config`, `K3ForCausalLM`, `load_hf_checkpoint`, `save_hf_checkpoint`, `count_params`.
 The heavy submodules are imported lazily so `import model.config` stays cheap and independent of the mixers.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -10,11 +10,13 @@ The per-layer block bookkeeping lives in `model/k3.py`; the parameters live on e
 names (`self_attention_res_proj` = Linear(d, 1) holding the query as weight [1, d], `self_attention_res_norm` =
 RMSNorm(d) holding the key weight, same for `mlp_res_*`; final `output_attn_res_*` on `K3Model`).
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
 import torch
+
 from model.norm import upcast
 
 
@@ -68,8 +70,9 @@ class _AttnResMix(torch.autograd.Function):
         return (dw, dg, None, *grads)
 
 
-def attn_res_mix(candidates: Sequence[torch.Tensor] | torch.Tensor, query_w: torch.Tensor, norm_w: torch.Tensor,
-                 eps: float) -> torch.Tensor:
+def attn_res_mix(
+    candidates: Sequence[torch.Tensor] | torch.Tensor, query_w: torch.Tensor, norm_w: torch.Tensor, eps: float
+) -> torch.Tensor:
     """Softmax-over-depth mixture of `candidates` (list of [..., D], or stacked [N, ..., D]); returns [..., D].
 
     Computed in >= fp32 and returned in the candidates' dtype. One candidate is returned unchanged.

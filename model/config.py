@@ -5,6 +5,7 @@ settings (balancer, chunk size) are saved too and ignored by other readers. The 
 (`layer_types`), never hand-listed in presets. Every check raises `ConfigError` with one line naming the key and
 the fix.
 """
+
 from __future__ import annotations
 
 import copy
@@ -164,20 +165,38 @@ class K3Config:
                 raise ConfigError(msg)
 
         L = self.num_hidden_layers
-        for key in ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
-                    "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "num_experts", "num_experts_per_token",
-                    "moe_intermediate_size", "routed_expert_hidden_size", "kda_chunk_size", "moe_balance_bins"):
+        for key in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "intermediate_size",
+            "num_attention_heads",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "v_head_dim",
+            "num_experts",
+            "num_experts_per_token",
+            "moe_intermediate_size",
+            "routed_expert_hidden_size",
+            "kda_chunk_size",
+            "moe_balance_bins",
+        ):
             v = getattr(self, key)
-            need(isinstance(v, int) and not isinstance(v, bool) and v > 0,
-                 f"{key} must be a positive integer, got {v!r}")
+            need(
+                isinstance(v, int) and not isinstance(v, bool) and v > 0, f"{key} must be a positive integer, got {v!r}"
+            )
         need(self.qk_rope_head_dim >= 0, f"qk_rope_head_dim must be >= 0, got {self.qk_rope_head_dim}")
         need(self.num_shared_experts >= 0, f"num_shared_experts must be >= 0, got {self.num_shared_experts}")
-        need(self.q_lora_rank is None or self.q_lora_rank > 0,
-             f"q_lora_rank must be positive or null, got {self.q_lora_rank!r}")
+        need(
+            self.q_lora_rank is None or self.q_lora_rank > 0,
+            f"q_lora_rank must be positive or null, got {self.q_lora_rank!r}",
+        )
         need(not self.tie_word_embeddings, "tie_word_embeddings must be false: K3 has an untied lm_head")
         need(self.hidden_act == "situ", f"hidden_act must be 'situ' (SiTU-GLU), got {self.hidden_act!r}")
-        need(self.moe_router_activation_func == "sigmoid",
-             f"moe_router_activation_func must be 'sigmoid', got {self.moe_router_activation_func!r}")
+        need(
+            self.moe_router_activation_func == "sigmoid",
+            f"moe_router_activation_func must be 'sigmoid', got {self.moe_router_activation_func!r}",
+        )
         need(self.mla_use_nope, "mla_use_nope must be true: this implementation has no RoPE (K3 is NoPE)")
         need(self.num_nextn_predict_layers == 0, "num_nextn_predict_layers must be 0: MTP is not implemented")
         for key in ("initializer_range", "routed_scaling_factor"):
@@ -189,45 +208,65 @@ class K3Config:
         lac = self.linear_attn_config
         kda, mla = lac["kda_layers"], lac["full_attn_layers"]
         covered = sorted(kda + mla)
-        need(covered == list(range(1, L + 1)),
-             "linear_attn_config.kda_layers + full_attn_layers must list every layer 1..num_hidden_layers exactly "
-             f"once (1-indexed); got kda={kda} full_attn={mla} for num_hidden_layers={L}")
-        need(self.kda_num_heads > 0 and self.kda_head_dim > 0,
-             f"linear_attn_config.num_heads/head_dim must be positive, got {self.kda_num_heads}/{self.kda_head_dim}")
-        need(self.kda_conv_size >= 1,
-             f"linear_attn_config.short_conv_kernel_size must be >= 1, got {self.kda_conv_size}")
+        need(
+            covered == list(range(1, L + 1)),
+            "linear_attn_config.kda_layers + full_attn_layers must list every layer 1..num_hidden_layers exactly "
+            f"once (1-indexed); got kda={kda} full_attn={mla} for num_hidden_layers={L}",
+        )
+        need(
+            self.kda_num_heads > 0 and self.kda_head_dim > 0,
+            f"linear_attn_config.num_heads/head_dim must be positive, got {self.kda_num_heads}/{self.kda_head_dim}",
+        )
+        need(
+            self.kda_conv_size >= 1, f"linear_attn_config.short_conv_kernel_size must be >= 1, got {self.kda_conv_size}"
+        )
         g = self.kda_gate_lower_bound
         need(g is None or g < 0, f"linear_attn_config.gate_lower_bound must be negative or null, got {g}")
 
-        need(self.num_key_value_heads == self.num_attention_heads,
-             f"num_key_value_heads ({self.num_key_value_heads}) must equal num_attention_heads "
-             f"({self.num_attention_heads}) for MLA")
-        need(self.num_experts_per_token <= self.num_experts,
-             f"num_experts_per_token ({self.num_experts_per_token}) must be <= num_experts ({self.num_experts})")
-        need(self.num_expert_group >= 1 and self.num_experts % self.num_expert_group == 0,
-             f"num_experts ({self.num_experts}) must be divisible by num_expert_group ({self.num_expert_group})")
-        need(1 <= self.topk_group <= self.num_expert_group,
-             f"topk_group ({self.topk_group}) must be in [1, num_expert_group={self.num_expert_group}]")
+        need(
+            self.num_key_value_heads == self.num_attention_heads,
+            f"num_key_value_heads ({self.num_key_value_heads}) must equal num_attention_heads "
+            f"({self.num_attention_heads}) for MLA",
+        )
+        need(
+            self.num_experts_per_token <= self.num_experts,
+            f"num_experts_per_token ({self.num_experts_per_token}) must be <= num_experts ({self.num_experts})",
+        )
+        need(
+            self.num_expert_group >= 1 and self.num_experts % self.num_expert_group == 0,
+            f"num_experts ({self.num_experts}) must be divisible by num_expert_group ({self.num_expert_group})",
+        )
+        need(
+            1 <= self.topk_group <= self.num_expert_group,
+            f"topk_group ({self.topk_group}) must be in [1, num_expert_group={self.num_expert_group}]",
+        )
         per_group = self.num_experts // self.num_expert_group
-        need(self.topk_group * per_group >= self.num_experts_per_token,
-             f"topk_group*experts_per_group ({self.topk_group * per_group}) must be >= num_experts_per_token "
-             f"({self.num_experts_per_token}); raise topk_group")
-        need(0 <= self.first_k_dense_replace <= L,
-             f"first_k_dense_replace must be in [0, num_hidden_layers={L}], got {self.first_k_dense_replace}")
+        need(
+            self.topk_group * per_group >= self.num_experts_per_token,
+            f"topk_group*experts_per_group ({self.topk_group * per_group}) must be >= num_experts_per_token "
+            f"({self.num_experts_per_token}); raise topk_group",
+        )
+        need(
+            0 <= self.first_k_dense_replace <= L,
+            f"first_k_dense_replace must be in [0, num_hidden_layers={L}], got {self.first_k_dense_replace}",
+        )
         need(self.moe_layer_freq >= 1, f"moe_layer_freq must be >= 1, got {self.moe_layer_freq}")
-        need(self.attn_res_block_size is None or self.attn_res_block_size >= 0,
-             f"attn_res_block_size must be >= 1 (or 0/null to disable), got {self.attn_res_block_size}")
-        for key, choices in (("moe_balance", get_args(BalanceMode)), ("moe_balance_estimator",
-                                                                        get_args(BalanceEstimator))):
-            need(getattr(self, key) in choices,
-                 f"{key} must be one of {'|'.join(choices)}, got {getattr(self, key)!r}")
+        need(
+            self.attn_res_block_size is None or self.attn_res_block_size >= 0,
+            f"attn_res_block_size must be >= 1 (or 0/null to disable), got {self.attn_res_block_size}",
+        )
+        for key, choices in (
+            ("moe_balance", get_args(BalanceMode)),
+            ("moe_balance_estimator", get_args(BalanceEstimator)),
+        ):
+            need(getattr(self, key) in choices, f"{key} must be one of {'|'.join(choices)}, got {getattr(self, key)!r}")
         for tok in ("bos_token_id", "eos_token_id", "pad_token_id"):
             t = getattr(self, tok)
             need(t is None or 0 <= t < self.vocab_size, f"{tok}={t} is outside the vocabulary [0, {self.vocab_size})")
 
     # --- presets ----------------------------------------------------------------------------------------------
     @classmethod
-    def preset(cls, name: str, **overrides: Any) -> "K3Config":
+    def preset(cls, name: str, **overrides: Any) -> K3Config:
         """`tiny` (CPU smoke, ~10M), `small` (one GPU, ~274M), `k3` (the released dims, 2.78T)."""
         if name not in _PRESETS:
             raise ConfigError(f"unknown model preset {name!r}; choose one of {sorted(_PRESETS)}")
@@ -235,8 +274,11 @@ class K3Config:
         lac_over = overrides.pop("linear_attn_config", None)
         if lac_over:
             kwargs["linear_attn_config"] = {**kwargs.get("linear_attn_config", {}), **lac_over}
-        if "num_hidden_layers" in overrides and "linear_attn_config" in kwargs and not (lac_over and (
-                "kda_layers" in lac_over or "full_attn_layers" in lac_over)):
+        if (
+            "num_hidden_layers" in overrides
+            and "linear_attn_config" in kwargs
+            and not (lac_over and ("kda_layers" in lac_over or "full_attn_layers" in lac_over))
+        ):
             # a changed depth re-derives the schedule
             kwargs["linear_attn_config"].pop("kda_layers", None)
             kwargs["linear_attn_config"].pop("full_attn_layers", None)
@@ -245,7 +287,7 @@ class K3Config:
 
     # --- HF config.json ---------------------------------------------------------------------------------------
     @classmethod
-    def from_hf_config(cls, path_or_dict: str | os.PathLike | dict[str, Any]) -> "K3Config":
+    def from_hf_config(cls, path_or_dict: str | os.PathLike | dict[str, Any]) -> K3Config:
         """Read a flat or `text_config`-nested HF config (dict, config.json path, or checkpoint dir)."""
         if isinstance(path_or_dict, dict):
             raw = path_or_dict
@@ -262,8 +304,9 @@ class K3Config:
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in raw.items() if k in names}
         if isinstance(kwargs.get("linear_attn_config"), dict):
-            kwargs["linear_attn_config"] = {k: v for k, v in kwargs["linear_attn_config"].items()
-                                            if k in _LINEAR_ATTN_KEYS}
+            kwargs["linear_attn_config"] = {
+                k: v for k, v in kwargs["linear_attn_config"].items() if k in _LINEAR_ATTN_KEYS
+            }
         # HF configs use a list for eos sometimes; keep the first
         for tok in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if isinstance(kwargs.get(tok), list):
@@ -285,7 +328,7 @@ class K3Config:
             json.dump(self.to_hf_config(), f, indent=2, sort_keys=True)
             f.write("\n")
 
-    def replace(self, **changes: Any) -> "K3Config":
+    def replace(self, **changes: Any) -> K3Config:
         """A copy with `changes`; a new depth without explicit layer lists re-derives the 3:1 schedule."""
         if "num_hidden_layers" in changes and "linear_attn_config" not in changes:
             lac = {k: v for k, v in self.linear_attn_config.items() if k not in ("kda_layers", "full_attn_layers")}
@@ -296,37 +339,86 @@ class K3Config:
 def _k3_released() -> dict[str, Any]:
     kda, mla = k3_schedule(93)
     return dict(
-        vocab_size=163_840, hidden_size=7168, num_hidden_layers=93, intermediate_size=33_792,
-        first_k_dense_replace=1, rms_norm_eps=1e-5, bos_token_id=163_584, eos_token_id=163_586,
+        vocab_size=163_840,
+        hidden_size=7168,
+        num_hidden_layers=93,
+        intermediate_size=33_792,
+        first_k_dense_replace=1,
+        rms_norm_eps=1e-5,
+        bos_token_id=163_584,
+        eos_token_id=163_586,
         pad_token_id=163_839,
-        linear_attn_config=dict(kda_layers=kda, full_attn_layers=mla, num_heads=96, head_dim=128,
-                                short_conv_kernel_size=4, gate_lower_bound=-5.0, use_full_rank_gate=True),
-        num_attention_heads=96, num_key_value_heads=96, q_lora_rank=1536, kv_lora_rank=512,
-        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-        num_experts=896, num_experts_per_token=16, num_shared_experts=2, moe_intermediate_size=3072,
-        routed_expert_hidden_size=3584, routed_scaling_factor=1.0, attn_res_block_size=12,
+        linear_attn_config=dict(
+            kda_layers=kda,
+            full_attn_layers=mla,
+            num_heads=96,
+            head_dim=128,
+            short_conv_kernel_size=4,
+            gate_lower_bound=-5.0,
+            use_full_rank_gate=True,
+        ),
+        num_attention_heads=96,
+        num_key_value_heads=96,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        num_experts=896,
+        num_experts_per_token=16,
+        num_shared_experts=2,
+        moe_intermediate_size=3072,
+        routed_expert_hidden_size=3584,
+        routed_scaling_factor=1.0,
+        attn_res_block_size=12,
         moe_balance_estimator="histogram",
     )
 
 
 _PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(
-        vocab_size=4096, hidden_size=256, num_hidden_layers=8, intermediate_size=1024,
-        linear_attn_config=dict(num_heads=4, head_dim=64, short_conv_kernel_size=4, gate_lower_bound=-5.0,
-                                use_full_rank_gate=True),
-        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=128, kv_lora_rank=64,
-        qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
-        num_experts=8, num_experts_per_token=2, num_shared_experts=2, moe_intermediate_size=128,
-        routed_expert_hidden_size=128, attn_res_block_size=3,
+        vocab_size=4096,
+        hidden_size=256,
+        num_hidden_layers=8,
+        intermediate_size=1024,
+        linear_attn_config=dict(
+            num_heads=4, head_dim=64, short_conv_kernel_size=4, gate_lower_bound=-5.0, use_full_rank_gate=True
+        ),
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=128,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        num_experts=8,
+        num_experts_per_token=2,
+        num_shared_experts=2,
+        moe_intermediate_size=128,
+        routed_expert_hidden_size=128,
+        attn_res_block_size=3,
     ),
     "small": dict(
-        vocab_size=32_768, hidden_size=768, num_hidden_layers=16, intermediate_size=3072,
-        linear_attn_config=dict(num_heads=6, head_dim=128, short_conv_kernel_size=4, gate_lower_bound=-5.0,
-                                use_full_rank_gate=True),
-        num_attention_heads=6, num_key_value_heads=6, q_lora_rank=384, kv_lora_rank=256,
-        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-        num_experts=32, num_experts_per_token=4, num_shared_experts=2, moe_intermediate_size=256,
-        routed_expert_hidden_size=384, attn_res_block_size=2,
+        vocab_size=32_768,
+        hidden_size=768,
+        num_hidden_layers=16,
+        intermediate_size=3072,
+        linear_attn_config=dict(
+            num_heads=6, head_dim=128, short_conv_kernel_size=4, gate_lower_bound=-5.0, use_full_rank_gate=True
+        ),
+        num_attention_heads=6,
+        num_key_value_heads=6,
+        q_lora_rank=384,
+        kv_lora_rank=256,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        num_experts=32,
+        num_experts_per_token=4,
+        num_shared_experts=2,
+        moe_intermediate_size=256,
+        routed_expert_hidden_size=384,
+        attn_res_block_size=2,
     ),
     "k3": _k3_released(),
 }

@@ -8,6 +8,7 @@ in at least fp32 (`upcast`) and is cast back to the input dtype for the down pro
 tanh is evaluated as 2*sigmoid(2x) - 1: the same function (absolute error ~1e-7 in fp32, ~1e-16 in fp64), but
 ATen's CPU sigmoid is ~4x faster than its tanh, and the MoE experts evaluate it on every routed row.
 """
+
 from __future__ import annotations
 
 import torch

@@ -4,6 +4,7 @@ decode one token at a time from the per-layer caches (KDA recurrent + conv state
 Sampling: greedy (temperature 0), temperature, top-k, top-p, all driven by an explicit seeded torch.Generator so a
 seed reproduces a sample exactly. The command line lives with the other tools: `python -m training.generate`.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -13,8 +14,13 @@ import torch
 from model.k3 import K3Cache, K3ForCausalLM
 
 
-def sample_next(logits_BV: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
-                top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_next(
+    logits_BV: torch.Tensor,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """Next token ids [B] from the last-position logits [B, V]. temperature <= 0 means greedy (argmax)."""
     logits = logits_BV.float()
     if temperature <= 0:
@@ -35,10 +41,18 @@ def sample_next(logits_BV: torch.Tensor, temperature: float = 0.0, top_k: int | 
 
 
 @torch.no_grad()
-def generate(model: K3ForCausalLM, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
-             top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-             generator: torch.Generator | None = None, eos_token_id: int | None = None,
-             callback: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+def generate(
+    model: K3ForCausalLM,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    generator: torch.Generator | None = None,
+    eos_token_id: int | None = None,
+    callback: Callable[[torch.Tensor], None] | None = None,
+) -> torch.Tensor:
     """Prompt [B, T] (or [T]) -> prompt + continuation [B, T + n] (n <= max_new_tokens; stops early once every row
     has produced `eos_token_id`, later positions of finished rows are filled with it). `callback(tokens_B)` is
     called with each new step's tokens (streaming)."""

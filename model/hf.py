@@ -9,6 +9,7 @@ The module tree already uses the HF names, so the mapping is small:
 Loading reads safetensors only (never pickles) and checks the key set: unknown or missing keys raise one error
 listing them unless `strict=False`. With `dtype`, floating tensors are cast except the docs/model.md §12 fp32 ones.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,15 +26,24 @@ from model.config import K3Config, a_log_storage_len
 from model.k3 import K3ForCausalLM
 from model.mxfp4 import dequantize_mxfp4
 
-DEFAULT_MAX_SHARD_BYTES = 5 * 1024 ** 3
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 IGNORED_PREFIXES = ("vision_tower.", "mm_projector.")
 # Kept in fp32 whatever dtype is requested (released as F32; tiny and numerically sensitive).
-FP32_SUFFIXES = ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", "A_log", "dt_bias", "o_norm.weight",
-                 "gate.e_score_correction_bias")
-_EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\."
-                        r"(weight|weight_packed|weight_scale)$")
+FP32_SUFFIXES = (
+    "q_conv1d.weight",
+    "k_conv1d.weight",
+    "v_conv1d.weight",
+    "A_log",
+    "dt_bias",
+    "o_norm.weight",
+    "gate.e_score_correction_bias",
+)
+_EXPERT_RE = re.compile(
+    r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\."
+    r"(weight|weight_packed|weight_scale)$"
+)
 _STACKED_RE = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(w[123])$")
 
 
@@ -77,8 +87,9 @@ def hf_tensors(model: K3ForCausalLM) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, t.to("cpu", copy=True).contiguous()
 
 
-def save_hf_checkpoint(model: K3ForCausalLM, path: str | os.PathLike,
-                       max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
+def save_hf_checkpoint(
+    model: K3ForCausalLM, path: str | os.PathLike, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+) -> list[str]:
     """Write `config.json` and safetensors into directory `path`: one `model.safetensors`, or shards
     `model-0000i-of-0000n.safetensors` plus `model.safetensors.index.json` when above `max_shard_bytes`.
     Returns the written tensor file names."""
@@ -104,8 +115,11 @@ def save_hf_checkpoint(model: K3ForCausalLM, path: str | os.PathLike,
         shard_of[key] = shard
         used += n
     n_shards = shard + 1
-    names = [SINGLE_FILE] if n_shards == 1 else [f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors"
-                                                 for i in range(n_shards)]
+    names = (
+        [SINGLE_FILE]
+        if n_shards == 1
+        else [f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors" for i in range(n_shards)]
+    )
     for stale in (SINGLE_FILE, INDEX_FILE):  # do not leave a mix of layouts behind
         if os.path.exists(os.path.join(path, stale)) and stale not in names:
             os.remove(os.path.join(path, stale))
@@ -117,8 +131,10 @@ def save_hf_checkpoint(model: K3ForCausalLM, path: str | os.PathLike,
         buf[key] = t
     save_file(buf, os.path.join(path, names[current]), metadata={"format": "pt"})
     if n_shards > 1:
-        index = {"metadata": {"total_size": sum(n for _, n in sizes)},
-                 "weight_map": {k: names[s] for k, s in shard_of.items()}}
+        index = {
+            "metadata": {"total_size": sum(n for _, n in sizes)},
+            "weight_map": {k: names[s] for k, s in shard_of.items()},
+        }
         with open(os.path.join(path, INDEX_FILE), "w", encoding="utf-8") as f:
             json.dump(index, f, indent=2, sort_keys=True)
     return names
@@ -136,8 +152,10 @@ def _tensor_files(path: str) -> list[str]:
     single = os.path.join(path, SINGLE_FILE)
     if os.path.isfile(single):
         return [single]
-    raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}; pass a directory written by "
-                          "save_hf_checkpoint or a HF K3 checkpoint (safetensors only, no .bin)")
+    raise CheckpointError(
+        f"no {SINGLE_FILE} or {INDEX_FILE} in {path}; pass a directory written by "
+        "save_hf_checkpoint or a HF K3 checkpoint (safetensors only, no .bin)"
+    )
 
 
 def _canonical(key: str) -> str | None:
@@ -145,7 +163,7 @@ def _canonical(key: str) -> str | None:
     if key.startswith(IGNORED_PREFIXES):
         return None
     if key.startswith("language_model."):
-        key = key[len("language_model."):]
+        key = key[len("language_model.") :]
     return key
 
 
@@ -154,15 +172,16 @@ def read_hf_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for file in _tensor_files(os.fspath(path)):
         with safe_open(file, framework="pt", device="cpu") as f:
-            for key in f.keys():
+            for key in f:
                 name = _canonical(key)
                 if name is not None:
                     out[name] = f.get_tensor(key)
     return out
 
 
-def to_model_state(hf_state: dict[str, Any], model_state: dict[str, torch.Tensor],
-                   dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
+def to_model_state(
+    hf_state: dict[str, Any], model_state: dict[str, torch.Tensor], dtype: torch.dtype | None = None
+) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
     """Convert HF tensors to the model's state-dict layout. Returns (state, unknown HF keys, missing model keys).
 
     `model_state` only provides names/shapes (a meta-device state dict is fine)."""
@@ -210,16 +229,22 @@ def to_model_state(hf_state: dict[str, Any], model_state: dict[str, torch.Tensor
     for key, t in state.items():
         want = tuple(model_state[key].shape)
         if tuple(t.shape) != want:
-            raise CheckpointError(f"{key} has shape {tuple(t.shape)} but the config expects {want}; "
-                                  "is config.json from the same checkpoint?")
+            raise CheckpointError(
+                f"{key} has shape {tuple(t.shape)} but the config expects {want}; "
+                "is config.json from the same checkpoint?"
+            )
         if dtype is not None and t.is_floating_point():
             state[key] = t.to(target_dtype(key, dtype))
     return state, unknown, missing
 
 
-def load_hf_checkpoint(path: str | os.PathLike, dtype: torch.dtype | None = None,
-                       device: str | torch.device | None = None, strict: bool = True,
-                       config_overrides: dict[str, Any] | None = None) -> K3ForCausalLM:
+def load_hf_checkpoint(
+    path: str | os.PathLike,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    strict: bool = True,
+    config_overrides: dict[str, Any] | None = None,
+) -> K3ForCausalLM:
     """Build `K3ForCausalLM` from a HF checkpoint directory (config.json + safetensors, flat or `text_config`).
 
     `dtype=None` keeps the stored dtypes; `config_overrides` replace project-only settings (e.g. kda_chunk_size).
@@ -232,8 +257,10 @@ def load_hf_checkpoint(path: str | os.PathLike, dtype: torch.dtype | None = None
         meta = K3ForCausalLM(config)
     state, unknown, missing = to_model_state(read_hf_state(path), meta.state_dict(), dtype)
     if strict and (unknown or missing):
-        raise CheckpointError(f"checkpoint {path} does not match the config: unknown keys [{_listing(unknown)}]; "
-                              f"missing keys [{_listing(missing)}] (pass strict=False to load anyway)")
+        raise CheckpointError(
+            f"checkpoint {path} does not match the config: unknown keys [{_listing(unknown)}]; "
+            f"missing keys [{_listing(missing)}] (pass strict=False to load anyway)"
+        )
     if not missing:
         meta.load_state_dict(state, strict=True, assign=True)
         leftovers = [n for n, t in list(meta.named_parameters()) + list(meta.named_buffers()) if t.is_meta]
@@ -258,7 +285,8 @@ def _cast_keep_fp32(model: torch.nn.Module, dtype: torch.dtype) -> None:
 
 
 def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """`model.to(dtype)` that keeps the docs/model.md §12 fp32 tensors (conv weights, A_log, dt_bias, o_norm, router bias)
+    """`model.to(dtype)` that keeps the docs/model.md §12 fp32 tensors (conv weights, A_log, dt_bias, o_norm,
+    router bias)
     in fp32; use it instead of `.to(torch.bfloat16)`."""
     _cast_keep_fp32(model, dtype)
     return model
@@ -284,7 +312,7 @@ class HFReader:
         self.where: dict[str, tuple[str, str]] = {}  # canonical key -> (file, stored key)
         for file in _tensor_files(self.path):
             with safe_open(file, framework="pt", device="cpu") as f:
-                for key in f.keys():
+                for key in f:
                     name = _canonical(key)
                     if name is not None:
                         self.where[name] = (file, key)
@@ -298,8 +326,9 @@ class HFReader:
 
     def _rows(self, key: str, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
         if key not in self.where:
-            raise CheckpointError(f"checkpoint {self.path} has no tensor {key}; is config.json from the same "
-                                  "checkpoint?")
+            raise CheckpointError(
+                f"checkpoint {self.path} has no tensor {key}; is config.json from the same checkpoint?"
+            )
         file, stored = self.where[key]
         sl = self._handle(file).get_slice(stored)
         t = sl[:] if lo is None else sl[lo:hi]
@@ -317,8 +346,9 @@ class HFReader:
         packed, scale = self._rows(f"{key}.weight_packed"), self._rows(f"{key}.weight_scale")
         return dequantize_mxfp4(packed, scale, self.dtype or torch.float32)
 
-    def read(self, name: str, shape: tuple[int, ...], lo: int = 0, hi: int | None = None,
-             expert_offset: int = 0) -> torch.Tensor:
+    def read(
+        self, name: str, shape: tuple[int, ...], lo: int = 0, hi: int | None = None, expert_offset: int = 0
+    ) -> torch.Tensor:
         """Rows [lo, hi) (dim 0) of model tensor `name` whose full model shape is `shape`. For stacked experts
         (`...experts.w1` [E_local, ...]) row r is global expert `expert_offset + r`."""
         hi = shape[0] if hi is None else hi
@@ -329,8 +359,10 @@ class HFReader:
         else:  # (A_log is stored zero-padded to ceil(H/128)*128: rows < H are the model's)
             t = self._rows(name, lo, hi)
         if tuple(t.shape[1:]) != tuple(shape[1:]):
-            raise CheckpointError(f"{name} has rows of shape {tuple(t.shape[1:])} but the config expects "
-                                  f"{tuple(shape[1:])}; is config.json from the same checkpoint?")
+            raise CheckpointError(
+                f"{name} has rows of shape {tuple(t.shape[1:])} but the config expects "
+                f"{tuple(shape[1:])}; is config.json from the same checkpoint?"
+            )
         return self._cast(name, t)
 
     def close(self) -> None:

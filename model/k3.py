@@ -8,6 +8,7 @@ Residual stream (docs/model.md §2, §6): with `attn_res_block_size` set, every 
 of the embedding, the completed block sums and the running partial sum; with it 0/None, the plain PreNorm stack
 `h = h + mixer(norm(h)); h = h + ffn(norm(h))`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -44,7 +45,7 @@ class K3Cache:
     seen_tokens: int = 0
 
     @classmethod
-    def empty(cls, config: K3Config) -> "K3Cache":
+    def empty(cls, config: K3Config) -> K3Cache:
         return cls([KDACache() if t == "kda" else MLACache() for t in config.layer_types])
 
 
@@ -70,12 +71,12 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         lse_N = torch.empty(N, dtype=acc_dtype, device=logits_ND.device)
         total = torch.zeros((), dtype=acc_dtype, device=logits_ND.device)
         for s in range(0, N, rows):
-            l_CD = upcast(logits_ND[s:s + rows])
-            t_C = targets_N[s:s + rows]
+            l_CD = upcast(logits_ND[s : s + rows])
+            t_C = targets_N[s : s + rows]
             lse_C = torch.logsumexp(l_CD, dim=-1)
             tgt_C = l_CD.gather(-1, t_C.clamp_min(0).unsqueeze(-1)).squeeze(-1)
             total = total + torch.where(t_C != IGNORE_INDEX, lse_C - tgt_C, 0.0).sum()
-            lse_N[s:s + rows] = lse_C
+            lse_N[s : s + rows] = lse_C
         ctx.save_for_backward(logits_ND, targets_N, lse_N)
         ctx.rows = rows
         return total
@@ -86,14 +87,15 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         grad_ND = torch.empty_like(logits_ND)
         rows = ctx.rows
         for s in range(0, logits_ND.shape[0], rows):
-            t_C = targets_N[s:s + rows]
+            t_C = targets_N[s : s + rows]
             # softmax, exponentiated in place: one fp32 chunk is the only transient besides the gradient
-            p_CD = (upcast(logits_ND[s:s + rows]) - lse_N[s:s + rows].unsqueeze(-1)).exp_()
+            p_CD = (upcast(logits_ND[s : s + rows]) - lse_N[s : s + rows].unsqueeze(-1)).exp_()
             valid_C = t_C != IGNORE_INDEX
-            p_CD.scatter_add_(-1, t_C.clamp_min(0).unsqueeze(-1),
-                              -valid_C.to(p_CD.dtype).unsqueeze(-1))  # minus one-hot at the target
+            p_CD.scatter_add_(
+                -1, t_C.clamp_min(0).unsqueeze(-1), -valid_C.to(p_CD.dtype).unsqueeze(-1)
+            )  # minus one-hot at the target
             p_CD.mul_((valid_C.to(p_CD.dtype) * grad_out).unsqueeze(-1))
-            grad_ND[s:s + rows] = p_CD.to(grad_ND.dtype)
+            grad_ND[s : s + rows] = p_CD.to(grad_ND.dtype)
         return grad_ND, None, None
 
 
@@ -108,8 +110,9 @@ def shift_targets(labels_BT: torch.Tensor, cu_seqlens: torch.Tensor | None = Non
     return targets
 
 
-def causal_lm_loss(logits_BTV: torch.Tensor, labels_BT: torch.Tensor, cu_seqlens: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_lm_loss(
+    logits_BTV: torch.Tensor, labels_BT: torch.Tensor, cu_seqlens: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean next-token CE in >= fp32, number of counted targets)."""
     targets_N = shift_targets(labels_BT, cu_seqlens).reshape(-1)
     logits_NV = logits_BTV.reshape(-1, logits_BTV.shape[-1])
@@ -167,16 +170,20 @@ class K3DecoderLayer(nn.Module):
     def _mix(self, candidates: list[torch.Tensor], proj: nn.Linear, norm: RMSNorm) -> torch.Tensor:
         return attn_res_mix(candidates, proj.weight[0], norm.weight, norm.eps)
 
-    def _forward(self, blocks: list[torch.Tensor], partial: torch.Tensor, cu_seqlens: torch.Tensor | None,
-                 cache) -> tuple[list[torch.Tensor], torch.Tensor, object]:
+    def _forward(
+        self, blocks: list[torch.Tensor], partial: torch.Tensor, cu_seqlens: torch.Tensor | None, cache
+    ) -> tuple[list[torch.Tensor], torch.Tensor, object]:
         if not self.attn_res_block_size:  # plain PreNorm residual stack; `partial` is the residual stream h
             h = partial + self.self_attn(self.input_layernorm(partial), cu_seqlens=cu_seqlens, cache=cache)
             y, stats = self._ffn(self.post_attention_layernorm(h))
             return blocks, h + y, stats
         # Block AttnRes, docs/model.md §6 (never mutates the caller's list: recomputation under checkpointing
         # re-runs this)
-        h_in = partial if not blocks else self._mix(
-            blocks + [partial], self.self_attention_res_proj, self.self_attention_res_norm)
+        h_in = (
+            partial
+            if not blocks
+            else self._mix(blocks + [partial], self.self_attention_res_proj, self.self_attention_res_norm)
+        )
         a = self.self_attn(self.input_layernorm(h_in), cu_seqlens=cu_seqlens, cache=cache)
         if self.layer_idx % self.attn_res_block_size == 0:  # close the block (layer 0 closes b_0 = embedding)
             blocks, partial = blocks + [partial], a
@@ -186,8 +193,9 @@ class K3DecoderLayer(nn.Module):
         y, stats = self._ffn(self.post_attention_layernorm(m_in))
         return blocks, partial + y, stats
 
-    def forward(self, blocks: list[torch.Tensor], partial: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                cache=None) -> tuple[list[torch.Tensor], torch.Tensor, object]:
+    def forward(
+        self, blocks: list[torch.Tensor], partial: torch.Tensor, cu_seqlens: torch.Tensor | None = None, cache=None
+    ) -> tuple[list[torch.Tensor], torch.Tensor, object]:
         """(completed blocks, partial sum) -> updated (blocks, partial, RouterStats | None).
 
         Under activation checkpointing the backward re-runs `_forward`; its RouterStats are simply discarded,
@@ -224,8 +232,9 @@ class K3Model(nn.Module):
             nn.init.zeros_(self.output_attn_res_proj.weight)
             self.output_attn_res_norm.reset_parameters()
 
-    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                cache: K3Cache | None = None) -> tuple[torch.Tensor, list]:
+    def forward(
+        self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None, cache: K3Cache | None = None
+    ) -> tuple[torch.Tensor, list]:
         blocks: list[torch.Tensor] = []
         partial = self.embed_tokens(input_ids)  # [B, T, D]
         stats = []
@@ -234,8 +243,12 @@ class K3Model(nn.Module):
             if s is not None:
                 stats.append(s)
         if self.config.attn_res_enabled:
-            partial = attn_res_mix(blocks + [partial], self.output_attn_res_proj.weight[0],
-                                   self.output_attn_res_norm.weight, self.output_attn_res_norm.eps)
+            partial = attn_res_mix(
+                blocks + [partial],
+                self.output_attn_res_proj.weight[0],
+                self.output_attn_res_norm.weight,
+                self.output_attn_res_norm.eps,
+            )
         return self.norm(partial), stats
 
 
@@ -275,23 +288,33 @@ class K3ForCausalLM(nn.Module):
     # --- forward -----------------------------------------------------------------------------------------------
     def _check_inputs(self, input_ids, labels, cu_seqlens, cache) -> None:
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"input_ids must be an int64 tensor [batch, seq], got {input_ids.dtype} "
-                             f"{tuple(input_ids.shape)}; add a batch dim with input_ids[None]")
+            raise ValueError(
+                f"input_ids must be an int64 tensor [batch, seq], got {input_ids.dtype} "
+                f"{tuple(input_ids.shape)}; add a batch dim with input_ids[None]"
+            )
         if labels is not None and labels.shape != input_ids.shape:
-            raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids "
-                             f"{tuple(input_ids.shape)} (HF convention: the model shifts them)")
+            raise ValueError(
+                f"labels {tuple(labels.shape)} must have the shape of input_ids "
+                f"{tuple(input_ids.shape)} (HF convention: the model shifts them)"
+            )
         if cu_seqlens is not None:
             if input_ids.shape[0] != 1:
-                raise ValueError(f"cu_seqlens needs batch size 1 (packed documents), got batch {input_ids.shape[0]}; "
-                                 "flatten the batch into one row")
+                raise ValueError(
+                    f"cu_seqlens needs batch size 1 (packed documents), got batch {input_ids.shape[0]}; "
+                    "flatten the batch into one row"
+                )
             if cu_seqlens.dim() != 1 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != input_ids.shape[1]:
-                raise ValueError(f"cu_seqlens must be 1-D [0, ..., T={input_ids.shape[1]}], got "
-                                 f"{cu_seqlens.tolist()}")
+                raise ValueError(f"cu_seqlens must be 1-D [0, ..., T={input_ids.shape[1]}], got {cu_seqlens.tolist()}")
             if cache is not None:
                 raise ValueError("cu_seqlens and cache cannot be combined; decode one document at a time")
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                cu_seqlens: torch.Tensor | None = None, cache: K3Cache | None = None) -> K3Output:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        cache: K3Cache | None = None,
+    ) -> K3Output:
         self._check_inputs(input_ids, labels, cu_seqlens, cache)
         hidden_BTD, stats = self.model(input_ids, cu_seqlens=cu_seqlens, cache=cache)
         if cache is not None:
@@ -304,5 +327,4 @@ class K3ForCausalLM(nn.Module):
             loss, count = causal_lm_loss(logits_BTV, labels, cu_seqlens)
             if aux_loss is not None and self.config.moe_balance == "aux":
                 loss = loss + aux_loss
-        return K3Output(logits=logits_BTV, loss=loss, router_stats=stats, aux_loss=aux_loss,
-                        num_loss_tokens=count)
+        return K3Output(logits=logits_BTV, loss=loss, router_stats=stats, aux_loss=aux_loss, num_loss_tokens=count)

@@ -9,6 +9,7 @@ absorbed form, which needs only `r_kv + d_r` cached values per token (576 for K3
 Parameter names are the HF keys (`q_a_proj`, `q_a_layernorm`, `q_b_proj` or `q_proj`, `kv_a_proj_with_mqa`,
 `kv_a_layernorm`, `kv_b_proj`, `o_proj`, `g_proj`) so checkpoint IO is a prefix rename only.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,8 +41,10 @@ class MLACache:
             self.c_kv, self.k_r = c_kv_BTR, k_r_BTD
         else:
             if self.c_kv.shape[0] != c_kv_BTR.shape[0]:
-                raise ValueError(f"MLACache holds batch {self.c_kv.shape[0]} but got batch {c_kv_BTR.shape[0]}; "
-                                 "use one cache per sequence batch (create a fresh MLACache())")
+                raise ValueError(
+                    f"MLACache holds batch {self.c_kv.shape[0]} but got batch {c_kv_BTR.shape[0]}; "
+                    "use one cache per sequence batch (create a fresh MLACache())"
+                )
             self.c_kv = torch.cat([self.c_kv, c_kv_BTR.to(self.c_kv.dtype)], dim=1)
             self.k_r = torch.cat([self.k_r, k_r_BTD.to(self.k_r.dtype)], dim=1)
         return self.c_kv, self.k_r
@@ -56,8 +59,9 @@ def segment_ids(cu_seqlens: torch.Tensor, total_len: int) -> torch.Tensor:
     return torch.searchsorted(cu_seqlens[1:].to(torch.int64), pos_T, right=True)
 
 
-def attention_mask(q_len: int, kv_len: int, cu_seqlens: torch.Tensor | None, device: torch.device
-                   ) -> tuple[torch.Tensor | None, bool]:
+def attention_mask(
+    q_len: int, kv_len: int, cu_seqlens: torch.Tensor | None, device: torch.device
+) -> tuple[torch.Tensor | None, bool]:
     """(bool mask [T, S] or None, is_causal) for SDPA.
 
     Queries are the last `q_len` of `kv_len` positions (a cache may hold earlier ones). Without packing and without
@@ -77,24 +81,39 @@ def attention_mask(q_len: int, kv_len: int, cu_seqlens: torch.Tensor | None, dev
     return mask_TS, False
 
 
-def sdpa(q_BHTE: torch.Tensor, k_BHSE: torch.Tensor, v_BHSV: torch.Tensor, mask_TS: torch.Tensor | None,
-         is_causal: bool, scale: float) -> torch.Tensor:
+def sdpa(
+    q_BHTE: torch.Tensor,
+    k_BHSE: torch.Tensor,
+    v_BHSV: torch.Tensor,
+    mask_TS: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v. SDPA's fused kernels (flash, memory-efficient, CPU flash) keep the softmax
     in fp32 for bf16/fp16 inputs and fp64 inputs stay fp64: docs/model.md §4's "softmax in ≥ fp32"."""
     E, V = q_BHTE.shape[-1], v_BHSV.shape[-1]
     if mask_TS is None and q_BHTE.device.type == "cpu" and V < E:
         # PyTorch's CPU flash kernel needs equal head dims; padding v with zeros selects it over the math path
         # (which materialises the T x S scores and probabilities and skips no causal work): 1.8x at T = 2048
-        o_BHTE = F.scaled_dot_product_attention(q_BHTE, k_BHSE, F.pad(v_BHSV, (0, E - V)), is_causal=is_causal,
-                                                scale=scale)
+        o_BHTE = F.scaled_dot_product_attention(
+            q_BHTE, k_BHSE, F.pad(v_BHSV, (0, E - V)), is_causal=is_causal, scale=scale
+        )
         return o_BHTE[..., :V]
-    return F.scaled_dot_product_attention(q_BHTE, k_BHSE, v_BHSV, attn_mask=mask_TS, is_causal=is_causal,
-                                          scale=scale)
+    return F.scaled_dot_product_attention(q_BHTE, k_BHSE, v_BHSV, attn_mask=mask_TS, is_causal=is_causal, scale=scale)
 
 
-def naive_mla_attention(q_BTHE: torch.Tensor, c_kv_BSR: torch.Tensor, k_r_BSD: torch.Tensor, w_kvb: torch.Tensor,
-                        num_heads: int, nope_dim: int, v_dim: int, mask_TS: torch.Tensor | None, is_causal: bool,
-                        scale: float) -> torch.Tensor:
+def naive_mla_attention(
+    q_BTHE: torch.Tensor,
+    c_kv_BSR: torch.Tensor,
+    k_r_BSD: torch.Tensor,
+    w_kvb: torch.Tensor,
+    num_heads: int,
+    nope_dim: int,
+    v_dim: int,
+    mask_TS: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+) -> torch.Tensor:
     """Per-head keys/values from the latent: k_h = [W_UK_h c_hat ; k_r], v_h = W_UV_h c_hat. Returns [B, T, H, dv]."""
     B, S, _ = c_kv_BSR.shape
     kv_BSHF = F.linear(c_kv_BSR, w_kvb).view(B, S, num_heads, nope_dim + v_dim)
@@ -105,9 +124,18 @@ def naive_mla_attention(q_BTHE: torch.Tensor, c_kv_BSR: torch.Tensor, k_r_BSD: t
     return o_BHTV.transpose(1, 2)
 
 
-def absorbed_mla_attention(q_BTHE: torch.Tensor, c_kv_BSR: torch.Tensor, k_r_BSD: torch.Tensor, w_kvb: torch.Tensor,
-                           num_heads: int, nope_dim: int, v_dim: int, mask_TS: torch.Tensor | None, is_causal: bool,
-                           scale: float) -> torch.Tensor:
+def absorbed_mla_attention(
+    q_BTHE: torch.Tensor,
+    c_kv_BSR: torch.Tensor,
+    k_r_BSD: torch.Tensor,
+    w_kvb: torch.Tensor,
+    num_heads: int,
+    nope_dim: int,
+    v_dim: int,
+    mask_TS: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+) -> torch.Tensor:
     """MQA over the shared [c_hat ; k_r] stream (docs/model.md §4): q~_h = [W_UK_h^T q_h^n ; q_h^r],
     o_h = W_UV_h sum_s p c_hat.
 
@@ -148,7 +176,7 @@ class GatedMLA(nn.Module):
         self.rope_dim = config.qk_rope_head_dim  # the shared, *unrotated* key part (name kept from HF)
         self.v_dim = config.v_head_dim
         self.q_head_dim = config.mla_q_head_dim
-        self.scale = self.q_head_dim ** -0.5
+        self.scale = self.q_head_dim**-0.5
         self.use_output_gate = config.mla_use_output_gate
         self.initializer_range = config.initializer_range
 
@@ -186,8 +214,13 @@ class GatedMLA(nn.Module):
         c_BTR, k_r_BTD = self.kv_a_proj_with_mqa(x_BTD).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         return self.kv_a_layernorm(c_BTR), k_r_BTD  # c_hat [B, T, r_kv], k_r [B, T, d_r] (k_r is not normed)
 
-    def forward(self, x_BTD: torch.Tensor, cu_seqlens: torch.Tensor | None = None, cache: MLACache | None = None,
-                absorbed: bool | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x_BTD: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        cache: MLACache | None = None,
+        absorbed: bool | None = None,
+    ) -> torch.Tensor:
         """`absorbed` picks the attention form (default: absorbed iff a cache is given); both are exact."""
         self._check_inputs(x_BTD, cu_seqlens, cache)
         B, T, _ = x_BTD.shape
@@ -202,8 +235,14 @@ class GatedMLA(nn.Module):
             # packed documents on CPU: one causal call per document selects the CPU flash kernel (no T x T mask,
             # scores or probabilities; causal work skipped), where a block-diagonal mask forces the math path
             cu = cu_seqlens.tolist()
-            o_BTHV = torch.cat([attend(q_BTHE[:, s:e], c_kv_BSR[:, s:e], k_r_BSD[:, s:e], *args, None, True,
-                                       self.scale) for s, e in zip(cu, cu[1:]) if e > s], dim=1)
+            o_BTHV = torch.cat(
+                [
+                    attend(q_BTHE[:, s:e], c_kv_BSR[:, s:e], k_r_BSD[:, s:e], *args, None, True, self.scale)
+                    for s, e in zip(cu, cu[1:])
+                    if e > s
+                ],
+                dim=1,
+            )
         else:
             mask_TS, is_causal = attention_mask(T, c_kv_BSR.shape[1], cu_seqlens, x_BTD.device)
             o_BTHV = attend(q_BTHE, c_kv_BSR, k_r_BSD, *args, mask_TS, is_causal, self.scale)
@@ -218,19 +257,25 @@ class GatedMLA(nn.Module):
         if cu_seqlens is None:
             return
         if cache is not None:
-            raise ValueError("GatedMLA got both cu_seqlens and cache; decode one sequence batch per cache "
-                             "without cu_seqlens")
+            raise ValueError(
+                "GatedMLA got both cu_seqlens and cache; decode one sequence batch per cache without cu_seqlens"
+            )
         if x_BTD.shape[0] != 1:
-            raise ValueError(f"cu_seqlens needs batch size 1 (packed documents), got batch {x_BTD.shape[0]}; "
-                             "flatten the batch into one row")
+            raise ValueError(
+                f"cu_seqlens needs batch size 1 (packed documents), got batch {x_BTD.shape[0]}; "
+                "flatten the batch into one row"
+            )
         if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"cu_seqlens must be a 1-D int32/int64 tensor, got {cu_seqlens.dtype} "
-                             f"{tuple(cu_seqlens.shape)}")
+            raise ValueError(
+                f"cu_seqlens must be a 1-D int32/int64 tensor, got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
+            )
         if cu_seqlens.device.type == "cpu":  # value check only where it costs no device->host sync
             cu = cu_seqlens.tolist()
             if len(cu) < 2 or cu[0] != 0 or cu[-1] != x_BTD.shape[1] or any(b < a for a, b in zip(cu, cu[1:])):
                 raise ValueError(f"cu_seqlens must rise from 0 to T={x_BTD.shape[1]} (non-decreasing), got {cu}")
 
     def extra_repr(self) -> str:
-        return (f"heads={self.num_heads}, q_lora_rank={self.q_lora_rank}, kv_lora_rank={self.kv_lora_rank}, "
-                f"dn/dr/dv={self.nope_dim}/{self.rope_dim}/{self.v_dim}, gate={self.use_output_gate}, NoPE")
+        return (
+            f"heads={self.num_heads}, q_lora_rank={self.q_lora_rank}, kv_lora_rank={self.kv_lora_rank}, "
+            f"dn/dr/dv={self.nope_dim}/{self.rope_dim}/{self.v_dim}, gate={self.use_output_gate}, NoPE"
+        )

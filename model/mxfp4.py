@@ -7,6 +7,7 @@ an E8M0 exponent per group of 32 columns, value 2^(s - 127). Dequantisation is e
 product is a power of two times a 3-bit mantissa), so importing the release loses nothing beyond its own
 quantisation. `pack_mxfp4` (round to nearest code, per-group scale) exists so tests can build packed tensors.
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,8 +30,10 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
     rows, half = packed.shape
     cols = 2 * half
     if cols % GROUP or tuple(scale.shape) != (rows, cols // GROUP):
-        raise ValueError(f"MXFP4 weight_scale shape {tuple(scale.shape)} does not match weight_packed "
-                         f"{tuple(packed.shape)}: expected [{rows}, {cols // GROUP}] (group {GROUP})")
+        raise ValueError(
+            f"MXFP4 weight_scale shape {tuple(scale.shape)} does not match weight_packed "
+            f"{tuple(packed.shape)}: expected [{rows}, {cols // GROUP}] (group {GROUP})"
+        )
     table = _value_table(dtype, packed.device)
     p = packed.to(torch.int64)
     codes = torch.stack([p & 0xF, p >> 4], dim=-1).reshape(rows, cols)  # low nibble = even column
@@ -47,8 +50,9 @@ def pack_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     (ties to the lower magnitude). Values already on the grid are reproduced exactly.
     """
     if weight.dim() != 2 or weight.shape[1] % GROUP:
-        raise ValueError(f"pack_mxfp4 needs a 2-D [out, in] tensor with in divisible by {GROUP}, "
-                         f"got {tuple(weight.shape)}")
+        raise ValueError(
+            f"pack_mxfp4 needs a 2-D [out, in] tensor with in divisible by {GROUP}, got {tuple(weight.shape)}"
+        )
     rows, cols = weight.shape
     w = weight.detach().to(torch.float64).view(rows, cols // GROUP, GROUP)
     amax = w.abs().amax(-1)  # [out, in/32]

@@ -3,6 +3,7 @@
 docs/model.md §10: norms, gates, routers and recurrences compute "in fp32". Tests also run whole models in float64
 against an fp64 oracle, so "fp32" here means *at least* fp32: `upcast` never narrows float64.
 """
+
 from __future__ import annotations
 
 import torch

@@ -5,6 +5,7 @@ the input embedding table and the E - k routed experts a token does not use, wit
 the real stacked expert tensors. "Parameters" are the checkpoint tensors, i.e. the persistent state: trainable
 parameters plus the router's `e_score_correction_bias` buffer (docs/model.md §8 counts it: router = E*d + E).
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -54,8 +55,9 @@ def _component(name: str, layer_types: list[str]) -> str:
         return "dense_ffn"
     if rest.startswith("block_sparse_moe."):
         sub = rest.split(".")[1]
-        return {"experts": "moe_routed_experts", "shared_experts": "moe_shared_experts", "gate": "moe_router"
-                }.get(sub, "moe_latent_proj_norm")
+        return {"experts": "moe_routed_experts", "shared_experts": "moe_shared_experts", "gate": "moe_router"}.get(
+            sub, "moe_latent_proj_norm"
+        )
     return "layer_norms_attn_res"
 
 
@@ -79,8 +81,11 @@ def param_breakdown(config: K3Config, model=None) -> dict[str, int]:
     if moes:
         exp = _expert_numel(moes[0])
         moe_tot = sum(t.numel() for t in moes[0].state_dict().values())
-        out.update(per_routed_expert=exp, moe_layer=moe_tot,
-                   moe_layer_active=moe_tot - (config.num_experts - config.num_experts_per_token) * exp)
+        out.update(
+            per_routed_expert=exp,
+            moe_layer=moe_tot,
+            moe_layer_active=moe_tot - (config.num_experts - config.num_experts_per_token) * exp,
+        )
     dense = next((l for l in layers if not l.is_moe), None)
     out["dense_ffn_layer"] = sum(p.numel() for p in dense.mlp.parameters()) if dense is not None else 0
     return {k: int(v) for k, v in out.items()}

@@ -1,4 +1,5 @@
 """Shared test fixtures: deterministic torch, paths to the shared spec assets."""
+
 from __future__ import annotations
 
 import os

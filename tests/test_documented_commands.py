@@ -2,6 +2,7 @@
 run would take minutes), so a documented command cannot rot. A new command in the docs fails
 `test_every_documented_command_is_run_or_exempt` until it is given a tiny form here (or an exemption with the
 reason it cannot run on a CPU-only machine)."""
+
 from __future__ import annotations
 
 import os
@@ -16,8 +17,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", REPO / "data" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 _ENV = r"(?:[A-Z_]+=\S+\s+)*"
-COMMAND = re.compile(rf"^{_ENV}(?:(?:\.venv/bin/)?python -m |deepspeed |launch/\S+\.sh|make |(?:\.venv/bin/)?k3-"
-                     r"|bench/gpu\.sh|sbatch )")
+COMMAND = re.compile(
+    rf"^{_ENV}(?:(?:\.venv/bin/)?python -m |deepspeed |launch/\S+\.sh|make |(?:\.venv/bin/)?k3-"
+    r"|bench/gpu\.sh|sbatch )"
+)
 # a form with placeholders (<run_dir>, ..., [--quick], a / b), not a command; `<|open|>` is a K3 marker, not one
 TEMPLATE = re.compile(r"<(?!\|)[^>]*>|\.\.\.|\[[^\]]*\]|\s/\s")
 
@@ -29,13 +32,14 @@ EXEMPT = {
     "bench/gpu.sh": "needs an NVIDIA GPU; without one it exits 2 in one line (test_gpu_script_refuses_without_cuda)",
     "python -m tests.golden.make": "rewrites the committed golden files (tests/golden/test_golden.py checks them)",
     "python -m bench.startup --launcher": "times cold and cached starts (minutes); tests/training/test_entry_points.py"
-                                          " and tests/distributed start the same jobs",
+    " and tests/distributed start the same jobs",
     "OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu .venv/bin/python -m bench.startup --reps 2 --launcher": "as above",
     "python -m bench.sharded_start": "a 1.7 GB checkpoint through 1- and 2-rank jobs (minutes, ~20 GB RAM); "
-                                     "tests/distributed/test_zero3_ep.py checks the sharded start it measures",
+    "tests/distributed/test_zero3_ep.py checks the sharded start it measures",
     "python -m bench.memory_dist": "2-rank ZeRO-3 jobs on tiny and small (minutes); bench/results/memory_dist.json",
-    "OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu .venv/bin/python -m bench.kda --threads 1 --fla-path /tmp/fla/pkg":
-        "needs fla-core's wheel unpacked at /tmp/fla/pkg (no network in CI); bench.kda itself runs above",
+    "OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu .venv/bin/python -m bench.kda --threads 1 --fla-path /tmp/fla/pkg": (
+        "needs fla-core's wheel unpacked at /tmp/fla/pkg (no network in CI); bench.kda itself runs above"
+    ),
 }
 
 TRAIN = " train.steps=2 checkpoint.every=0 logging.mode=disabled"
@@ -100,8 +104,14 @@ def tiny(cmd: str, tmp: Path) -> str:
 
 
 def _env(tmp: Path) -> dict[str, str]:
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled",
-           "K3_BENCH_RESULTS": str(tmp / "bench"), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env = {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "WANDB_MODE": "disabled",
+        "K3_BENCH_RESULTS": str(tmp / "bench"),
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    }
     env.pop("PYTHONPATH", None)
     return env
 
@@ -118,8 +128,9 @@ def test_gpu_script_refuses_without_cuda():
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: bench/gpu.sh would run for real")
-    p = subprocess.run(["bash", "bench/gpu.sh"], cwd=REPO, env=_env(Path("/nonexistent")), capture_output=True,
-                       text=True, timeout=300)
+    p = subprocess.run(
+        ["bash", "bench/gpu.sh"], cwd=REPO, env=_env(Path("/nonexistent")), capture_output=True, text=True, timeout=300
+    )
     errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
     assert p.returncode == 2 and len(errors) == 1, p.stderr[-2000:]
 
@@ -135,8 +146,9 @@ def test_documented_commands_run(tmp_path):
         if same in seen:  # the same tiny command behind another spelling (env prefix, .venv/bin/, spacing)
             continue
         seen.add(same)
-        p = subprocess.run(["bash", "-c", line], cwd=REPO, env=_env(tmp_path), capture_output=True, text=True,
-                           timeout=900)
+        p = subprocess.run(
+            ["bash", "-c", line], cwd=REPO, env=_env(tmp_path), capture_output=True, text=True, timeout=900
+        )
         ran.append(line)
         if p.returncode != 0:
             failed.append(f"{cmd}\n  ran: {line}\n  rc={p.returncode}\n  {p.stderr[-1500:]}")

@@ -1,5 +1,6 @@
 """The house rules the layout promises: no import cycle among the project's modules, no file over 500 lines,
 `model/` never imports DeepSpeed or the packages above it, `data/` never imports `model/` or `training/`."""
+
 from __future__ import annotations
 
 import ast
@@ -56,7 +57,7 @@ def test_no_import_cycles_among_project_modules():
         state[m] = 1
         for n in sorted(g[m]):
             if state.get(n) == 1:
-                cycles.append(stack[stack.index(n):] + [n])
+                cycles.append(stack[stack.index(n) :] + [n])
             elif n not in state:
                 visit(n, stack + [n])
         state[m] = 2
@@ -68,18 +69,27 @@ def test_no_import_cycles_among_project_modules():
 
 
 def test_no_file_over_500_lines():
-    long = {str(p.relative_to(ROOT)): n for p in ROOT.glob("*/**/*.py")
-            if ".venv" not in p.parts and (n := len(p.read_text().splitlines())) > 500}
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in ROOT.glob("*/**/*.py")
+        if ".venv" not in p.parts and (n := len(p.read_text().splitlines())) > 500
+    }
     assert long == {}
 
 
-@pytest.mark.parametrize("pkg,forbidden", [("model", ("training", "data", "deepspeed")),
-                                           ("data", ("training", "model", "deepspeed"))])
+@pytest.mark.parametrize(
+    "pkg,forbidden", [("model", ("training", "data", "deepspeed")), ("data", ("training", "model", "deepspeed"))]
+)
 def test_lower_layers_never_import_upper_ones(pkg, forbidden):
     bad = []
     for f in (ROOT / pkg).rglob("*.py"):
         for node in ast.walk(ast.parse(f.read_text())):
-            mods = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                    [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            mods = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and not node.level
+                else []
+            )
             bad += [f"{f.relative_to(ROOT)}: {m}" for m in mods if m.split(".")[0] in forbidden]
     assert bad == []

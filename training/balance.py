@@ -6,6 +6,7 @@ and histograms as one int64 vector) plus, for exact Quantile Balancing, one all-
 the result depends only on the global batch, not on how it was split over ranks and micro-batches. The global
 counts feed both the balancers (`apply`) and the router metrics, so they are counted and reduced exactly once.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -52,7 +53,7 @@ class StepRouting:
         pos = E * len(self.layers)
         for s, h in zip(out, hist):
             if h is not None:
-                s.hist_EB = flat[pos: pos + h.numel()].view_as(h)
+                s.hist_EB = flat[pos : pos + h.numel()].view_as(h)
                 pos += h.numel()
         with_margins = [i for i, s in enumerate(self.layers) if s.margins_NE is not None]
         if with_margins:  # every layer routed the same local tokens: one gather for all of them
@@ -65,6 +66,7 @@ class StepRouting:
 def _detached(s: BalanceStats) -> BalanceStats:
     def d(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.detach()  # stays on its device: no host sync per micro-batch
+
     return BalanceStats(d(s.counts_E), d(s.margins_NE), d(s.hist_EB))  # type: ignore[arg-type]
 
 

@@ -7,6 +7,7 @@ run directory exists. `validate` adds the checks that span several keys (batch a
 combinations, model vs sequence length, missing files) and raises `TrainConfigError` with one line naming the key
 and the fix.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -111,7 +112,8 @@ def _model_fields() -> list[tuple[str, Any, Any]]:
 ModelSection = dataclasses.make_dataclass("ModelSection", _model_fields())
 ModelSection.__doc__ = (
     "`preset` picks K3Config.preset(...); any other non-null key overrides that preset field (HF key names); "
-    "`init_from` starts from an HF checkpoint directory (its config.json wins over the preset).")
+    "`init_from` starts from an HF checkpoint directory (its config.json wins over the preset)."
+)
 
 
 @dataclass
@@ -186,6 +188,7 @@ class CheckpointSection:
 @dataclass
 class LauncherSection:
     """Only for `--multirun` sweeps: num_gpus > 0 re-launches each job with the deepspeed launcher."""
+
     num_gpus: int = 0
     hostfile: Optional[str] = None
 
@@ -274,36 +277,54 @@ def check_parallel_layout(cfg: DictConfig, world_size: int) -> None:
 
 def validate(cfg: DictConfig, world_size: int) -> K3Config:
     """Cross-key checks that must pass before any process group starts; returns the model config."""
+
     def need(cond: bool, msg: str) -> None:
         if not cond:
             raise TrainConfigError(msg)
 
     t, ds, par = cfg.train, cfg.deepspeed, cfg.parallel
-    need(cfg.model.preset in preset_names() or cfg.model.init_from,
-         f"unknown model preset {cfg.model.preset!r}; use model=<{'|'.join(preset_names())}>")
+    need(
+        cfg.model.preset in preset_names() or cfg.model.init_from,
+        f"unknown model preset {cfg.model.preset!r}; use model=<{'|'.join(preset_names())}>",
+    )
     if cfg.model.init_from:
-        need(os.path.isfile(os.path.join(cfg.model.init_from, "config.json")),
-             f"model.init_from={cfg.model.init_from} has no config.json; point it at an HF checkpoint directory")
+        need(
+            os.path.isfile(os.path.join(cfg.model.init_from, "config.json")),
+            f"model.init_from={cfg.model.init_from} has no config.json; point it at an HF checkpoint directory",
+        )
     mcfg = build_model_config(cfg)
     for key in ("steps", "seq_len", "micro_batch_size", "grad_accum"):
         need(t[key] >= 1, f"train.{key} must be >= 1, got {t[key]}")
-    need(t.seq_len <= mcfg.max_position_embeddings,
-         f"train.seq_len={t.seq_len} exceeds model max_position_embeddings={mcfg.max_position_embeddings}")
+    need(
+        t.seq_len <= mcfg.max_position_embeddings,
+        f"train.seq_len={t.seq_len} exceeds model max_position_embeddings={mcfg.max_position_embeddings}",
+    )
     need(world_size >= 1, f"world size must be >= 1, got {world_size}")
     need(ds.zero_stage in (0, 1, 2, 3), f"deepspeed.zero_stage must be 0..3, got {ds.zero_stage}")
-    need(not (ds.offload_optimizer or ds.offload_param) or ds.zero_stage >= 1,
-         "CPU offload needs ZeRO stage >= 1; use deepspeed=zero2_offload or deepspeed=zero3_offload")
-    need(not ds.offload_param or ds.zero_stage == 3,
-         "deepspeed.offload_param needs ZeRO-3; use deepspeed=zero3_offload")
-    need(not (cfg.optim.name == "muon" and (ds.offload_optimizer or ds.offload_param)),
-         "optim=muon is a client optimizer and DeepSpeed refuses offload with one; use optim=adamw for offload")
-    need(not (cfg.optim.name == "muon" and ds.zero_stage != 0),
-         "optim=muon orthogonalises whole matrices, which ZeRO partitions; use deepspeed=zero0 with optim=muon")
+    need(
+        not (ds.offload_optimizer or ds.offload_param) or ds.zero_stage >= 1,
+        "CPU offload needs ZeRO stage >= 1; use deepspeed=zero2_offload or deepspeed=zero3_offload",
+    )
+    need(
+        not ds.offload_param or ds.zero_stage == 3, "deepspeed.offload_param needs ZeRO-3; use deepspeed=zero3_offload"
+    )
+    need(
+        not (cfg.optim.name == "muon" and (ds.offload_optimizer or ds.offload_param)),
+        "optim=muon is a client optimizer and DeepSpeed refuses offload with one; use optim=adamw for offload",
+    )
+    need(
+        not (cfg.optim.name == "muon" and ds.zero_stage != 0),
+        "optim=muon orthogonalises whole matrices, which ZeRO partitions; use deepspeed=zero0 with optim=muon",
+    )
     need(par.ep_size >= 1, f"parallel.ep_size must be >= 1, got {par.ep_size}")
-    need(world_size % par.ep_size == 0,
-         f"parallel.ep_size={par.ep_size} must divide the world size {world_size}; change ep_size or --num_gpus")
-    need(mcfg.num_experts % par.ep_size == 0,
-         f"parallel.ep_size={par.ep_size} must divide model.num_experts={mcfg.num_experts}")
+    need(
+        world_size % par.ep_size == 0,
+        f"parallel.ep_size={par.ep_size} must divide the world size {world_size}; change ep_size or --num_gpus",
+    )
+    need(
+        mcfg.num_experts % par.ep_size == 0,
+        f"parallel.ep_size={par.ep_size} must divide model.num_experts={mcfg.num_experts}",
+    )
     check_parallel_layout(cfg, world_size)
     need(0 <= cfg.schedule.warmup_frac < 1, f"schedule.warmup_frac must be in [0, 1), got {cfg.schedule.warmup_frac}")
     need(0 <= cfg.schedule.decay_frac <= 1, f"schedule.decay_frac must be in [0, 1], got {cfg.schedule.decay_frac}")
@@ -338,14 +359,18 @@ def check_tokenizer(cfg: DictConfig, mcfg: K3Config) -> None:
         if tok is None:
             return
         if tok.vocab_size > mcfg.vocab_size:
-            raise TrainConfigError(f"the tokenizer of model.init_from={cfg.model.init_from} has {tok.vocab_size} "
-                                   f"ids but the model has vocab_size={mcfg.vocab_size}; use the checkpoint's own "
-                                   "tokenizer and config")
+            raise TrainConfigError(
+                f"the tokenizer of model.init_from={cfg.model.init_from} has {tok.vocab_size} "
+                f"ids but the model has vocab_size={mcfg.vocab_size}; use the checkpoint's own "
+                "tokenizer and config"
+            )
         path = cfg.data.tokenizer.model_path
         if path and load_tokenizer(path).fingerprint != tok.fingerprint:
-            raise TrainConfigError(f"data.tokenizer.model_path={path} is not the tokenizer of model.init_from="
-                                   f"{cfg.model.init_from}; drop data.tokenizer.model_path (the checkpoint brings "
-                                   "its own)")
+            raise TrainConfigError(
+                f"data.tokenizer.model_path={path} is not the tokenizer of model.init_from="
+                f"{cfg.model.init_from}; drop data.tokenizer.model_path (the checkpoint brings "
+                "its own)"
+            )
     except DataError as e:
         raise TrainConfigError(str(e)) from None
 
@@ -358,8 +383,10 @@ def check_data_config(data: DictConfig) -> None:
         raise TrainConfigError(str(e)) from None
     tok = dcfg.tokenizer.model_path
     if tok and not os.path.exists(tok):
-        raise TrainConfigError(f"data.tokenizer.model_path={tok} does not exist; fix it, or set it to null to "
-                               "train (and cache) the default tokenizer")
+        raise TrainConfigError(
+            f"data.tokenizer.model_path={tok} does not exist; fix it, or set it to null to "
+            "train (and cache) the default tokenizer"
+        )
     for i, src in enumerate(dcfg.sources):
         if src.type in ("embedded", "hub"):
             continue

@@ -5,6 +5,7 @@ MPI discovery). DeepSpeed's shared-memory comm op (inference all-reduce only) is
 `DistStatsReducer` is the balancer's StatsReducer over a torch.distributed group: sums all-reduce, concatenations
 all-gather with variable lengths, so the router bias is a function of the global batch only.
 """
+
 from __future__ import annotations
 
 import os
@@ -34,8 +35,9 @@ def _free_port() -> int:
 
 def env_world() -> DistInfo:
     """Rank info from the launcher's environment (or a 1-rank default), before any process group exists."""
-    return DistInfo(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
-                    int(os.environ.get("LOCAL_RANK", 0)))
+    return DistInfo(
+        int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+    )
 
 
 def init_distributed() -> DistInfo:
@@ -99,4 +101,3 @@ class DistStatsReducer:
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-

@@ -5,6 +5,7 @@ precision, clipping, ZeRO stage and offload) and deep-merges `deepspeed.extra` l
 set from the command line (`+deepspeed.extra.zero_optimization.reduce_bucket_size=1e6`). Nothing JIT-compiles
 unless offload is requested: the optimizer is a client `torch.optim.AdamW` (or Muon) otherwise.
 """
+
 from __future__ import annotations
 
 import copy
@@ -14,6 +15,7 @@ from typing import Any, Callable
 import torch
 from omegaconf import DictConfig
 from torch import nn
+
 
 def use_bf16(cfg: DictConfig) -> bool:
     """fp32 on CPU (exact resume), bf16 on GPU unless train.precision says otherwise."""
@@ -39,8 +41,12 @@ def build_ds_config(cfg: DictConfig, world_size: int) -> dict[str, Any]:
     t, ds = cfg.train, cfg.deepspeed
     zero: dict[str, Any] = {"stage": int(ds.zero_stage)}
     if ds.zero_stage >= 1:
-        zero.update(overlap_comm=bool(ds.overlap_comm), contiguous_gradients=True,
-                    reduce_bucket_size=int(ds.reduce_bucket_size), allgather_bucket_size=int(ds.reduce_bucket_size))
+        zero.update(
+            overlap_comm=bool(ds.overlap_comm),
+            contiguous_gradients=True,
+            reduce_bucket_size=int(ds.reduce_bucket_size),
+            allgather_bucket_size=int(ds.reduce_bucket_size),
+        )
     if ds.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     if ds.offload_param:
@@ -64,9 +70,15 @@ def build_ds_config(cfg: DictConfig, world_size: int) -> dict[str, Any]:
         out["data_types"] = {"grad_accum_dtype": "fp32"}
     if ds.offload_optimizer or ds.offload_param:
         # offload needs DeepSpeed's own CPU Adam (DeepSpeed refuses a client optimizer with offload)
-        out["optimizer"] = {"type": "AdamW", "params": {
-            "lr": float(cfg.optim.lr), "betas": [float(b) for b in cfg.optim.betas], "eps": float(cfg.optim.eps),
-            "weight_decay": float(cfg.schedule.weight_decay)}}
+        out["optimizer"] = {
+            "type": "AdamW",
+            "params": {
+                "lr": float(cfg.optim.lr),
+                "betas": [float(b) for b in cfg.optim.betas],
+                "eps": float(cfg.optim.eps),
+                "weight_decay": float(cfg.schedule.weight_decay),
+            },
+        }
     extra = OmegaConf.to_container(ds.extra, resolve=True) if isinstance(ds.extra, DictConfig) else dict(ds.extra)
     return deep_merge(out, extra or {})
 
@@ -92,13 +104,14 @@ def lr_lambda(cfg: DictConfig, total_steps: int | None = None) -> Callable[[int]
             return 1.0
         p = min(1.0, (s - decay_start) / max(1, steps - decay_start))
         return 1.0 - (1.0 - floor) * p
+
     return fn
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Decay matrices (dim >= 2), never 1-D params; names kept for Muon's routing."""
     decay, no_decay = [], []
-    for name, p in model.named_parameters():
+    for _name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         # ds_shape: a ZeRO-3 parameter built sharded (training/parallel/construct.py) is a flat partition already
@@ -109,25 +122,39 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(cfg: DictConfig, model: nn.Module, groups: list[dict[str, Any]] | None = None
-                    ) -> torch.optim.Optimizer | None:
+def build_optimizer(
+    cfg: DictConfig, model: nn.Module, groups: list[dict[str, Any]] | None = None
+) -> torch.optim.Optimizer | None:
     """Client optimizer, or None when DeepSpeed's offload optimizer is configured in the JSON."""
     if cfg.deepspeed.offload_optimizer or cfg.deepspeed.offload_param:
         return None
     wd = float(cfg.schedule.weight_decay)
     if cfg.optim.name == "muon":
         from training.optim.muon import Muon, muon_param_groups
-        return Muon(muon_param_groups(model, wd, cfg), lr=float(cfg.optim.lr), betas=tuple(cfg.optim.betas),
-                    eps=float(cfg.optim.eps), momentum=float(cfg.optim.muon_momentum),
-                    ns_steps=int(cfg.optim.muon_ns_steps))
+
+        return Muon(
+            muon_param_groups(model, wd, cfg),
+            lr=float(cfg.optim.lr),
+            betas=tuple(cfg.optim.betas),
+            eps=float(cfg.optim.eps),
+            momentum=float(cfg.optim.muon_momentum),
+            ns_steps=int(cfg.optim.muon_ns_steps),
+        )
     groups = groups if groups is not None else param_groups(model, wd)
     # fused: one pass over each tensor (CPU and CUDA kernels), no temporaries; 6x the per-tensor loop on CPU
-    return torch.optim.AdamW(groups, lr=float(cfg.optim.lr), betas=tuple(float(b) for b in cfg.optim.betas),
-                             eps=float(cfg.optim.eps), weight_decay=wd, fused=True)
+    return torch.optim.AdamW(
+        groups,
+        lr=float(cfg.optim.lr),
+        betas=tuple(float(b) for b in cfg.optim.betas),
+        eps=float(cfg.optim.eps),
+        weight_decay=wd,
+        fused=True,
+    )
 
 
-def initialize(cfg: DictConfig, model: nn.Module, ds_config: dict[str, Any], groups=None,
-               total_steps: int | None = None):
+def initialize(
+    cfg: DictConfig, model: nn.Module, ds_config: dict[str, Any], groups=None, total_steps: int | None = None
+):
     """deepspeed.initialize with a client optimizer (or the JSON's for offload) and a LambdaLR schedule.
     The model must already be laid out (training/parallelize.py: experts, ZeRO-3 external params)."""
     import deepspeed
@@ -142,8 +169,9 @@ def initialize(cfg: DictConfig, model: nn.Module, ds_config: dict[str, Any], gro
     if opt is not None:
         kwargs["optimizer"] = opt
     else:
-        kwargs["model_parameters"] = groups if groups is not None else param_groups(
-            model, float(cfg.schedule.weight_decay))
+        kwargs["model_parameters"] = (
+            groups if groups is not None else param_groups(model, float(cfg.schedule.weight_decay))
+        )
     engine, optimizer, _, scheduler = deepspeed.initialize(**kwargs)
     keep_zero0_grad_norm(engine)
     return engine, optimizer, scheduler

@@ -10,6 +10,7 @@ A non-finite loss always reaches the gradients (NaN/Inf propagate through backwa
 hand the bad forward's routing statistics to the balancers (router biases untouched). After `max_bad_steps`
 consecutive bad steps the trainer saves a checkpoint and stops with `TooManyBadSteps`.
 """
+
 from __future__ import annotations
 
 import functools
@@ -72,12 +73,16 @@ class StepGuard:
     def after_step(self, step: int, applied: bool, loss: float) -> bool:
         """Record optimizer step `step`; returns True if it was skipped. `applied` is engine.was_step_applied()."""
         if _any_rank(not applied) and applied:  # one collective: every rank must have made the same decision
-            raise TooManyBadSteps(f"step {step}: the optimizer step was skipped on some ranks but applied here; "
-                                  "the ranks' weights diverged: resume from the last checkpoint")
+            raise TooManyBadSteps(
+                f"step {step}: the optimizer step was skipped on some ranks but applied here; "
+                "the ranks' weights diverged: resume from the last checkpoint"
+            )
         bad = (not applied) or not math.isfinite(loss)
         if bad and applied:  # cannot happen with ZeRO or `install`; fail loudly rather than train on garbage
-            raise TooManyBadSteps(f"step {step}: loss {loss} is not finite but the optimizer step was applied; "
-                                  "enable gradient checks (deepspeed zero_optimization.compute_grad_norm=true)")
+            raise TooManyBadSteps(
+                f"step {step}: loss {loss} is not finite but the optimizer step was applied; "
+                "enable gradient checks (deepspeed zero_optimization.compute_grad_norm=true)"
+            )
         if bad:
             self.skipped_steps += 1
             self.consecutive += 1
@@ -91,9 +96,11 @@ class StepGuard:
 
     def message(self, step: int, ckpt: str | None) -> str:
         where = f"; checkpoint {ckpt} holds the weights of the last good step" if ckpt else ""
-        return (f"stopping at step {step}: {self.consecutive} consecutive non-finite steps "
-                f"(train.max_bad_steps={self.max_bad_steps}){where}; lower optim.lr, check the data, or raise "
-                "train.max_bad_steps")
+        return (
+            f"stopping at step {step}: {self.consecutive} consecutive non-finite steps "
+            f"(train.max_bad_steps={self.max_bad_steps}){where}; lower optim.lr, check the data, or raise "
+            "train.max_bad_steps"
+        )
 
     def state_dict(self) -> dict[str, int]:
         return {"skipped_steps": self.skipped_steps, "consecutive_bad_steps": self.consecutive}

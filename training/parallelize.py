@@ -22,6 +22,7 @@ Layouts (world W ranks, expert parallelism P = `parallel.ep_size`, expert-data p
     whose hooks see them (`register_zero3_external_params`).
 `check_layout` refuses, before any process group exists, what DeepSpeed 0.19.8 cannot do with AutoEP + ZeRO-3.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -54,25 +55,37 @@ def check_layout(zero_stage: int, ep_size: int, ds_config: dict[str, Any]) -> No
     z = ds_config.get("zero_optimization", {}) or {}
     what = f"ZeRO-3 with parallel.ep_size={ep_size}"
     if int(ds_config.get("sequence_parallel_size", 1) or 1) > 1:
-        raise LayoutError(f"{what} cannot use sequence parallelism (DeepSpeed AutoEP + ZeRO-3 refuses it); "
-                          "drop sequence_parallel_size or use deepspeed=zero2 with expert parallelism")
+        raise LayoutError(
+            f"{what} cannot use sequence parallelism (DeepSpeed AutoEP + ZeRO-3 refuses it); "
+            "drop sequence_parallel_size or use deepspeed=zero2 with expert parallelism"
+        )
     if int(z.get("zero_hpz_partition_size", 1) or 1) > 1:
-        raise LayoutError(f"{what} cannot use hpZ (zero_hpz_partition_size>1, refused by DeepSpeed AutoEP + ZeRO-3); "
-                          "drop zero_hpz_partition_size or use parallel.ep_size=1")
+        raise LayoutError(
+            f"{what} cannot use hpZ (zero_hpz_partition_size>1, refused by DeepSpeed AutoEP + ZeRO-3); "
+            "drop zero_hpz_partition_size or use parallel.ep_size=1"
+        )
     if z.get("zero_quantized_gradients") or z.get("zeropp_loco_param"):
-        raise LayoutError(f"{what} cannot use qgZ/LoCo quantized gradients (refused by DeepSpeed AutoEP + ZeRO-3); "
-                          "drop zero_quantized_gradients/zeropp_loco_param or use parallel.ep_size=1")
+        raise LayoutError(
+            f"{what} cannot use qgZ/LoCo quantized gradients (refused by DeepSpeed AutoEP + ZeRO-3); "
+            "drop zero_quantized_gradients/zeropp_loco_param or use parallel.ep_size=1"
+        )
     if int(z.get("mics_shard_size", -1) or -1) > 0:
-        raise LayoutError(f"{what} cannot use MiCS (mics_shard_size, not an AutoEP-aware ZeRO-3 optimizer); "
-                          "drop mics_shard_size: ZeRO-3 already partitions experts over the expert-data-parallel group")
+        raise LayoutError(
+            f"{what} cannot use MiCS (mics_shard_size, not an AutoEP-aware ZeRO-3 optimizer); "
+            "drop mics_shard_size: ZeRO-3 already partitions experts over the expert-data-parallel group"
+        )
     etp = (ds_config.get("expert_parallel", {}) or {}).get("expert_tensor_parallel_size", 1)
     if int(etp or 1) != 1:
-        raise LayoutError(f"{what} supports only expert_parallel.expert_tensor_parallel_size=1 (DeepSpeed AutoEP + "
-                          "ZeRO-3); drop it and raise parallel.ep_size instead")
+        raise LayoutError(
+            f"{what} supports only expert_parallel.expert_tensor_parallel_size=1 (DeepSpeed AutoEP + "
+            "ZeRO-3); drop it and raise parallel.ep_size instead"
+        )
     for key in ("offload_optimizer", "offload_param"):
         if ((z.get(key) or {}).get("device") or "none") == "nvme":
-            raise LayoutError(f"{what} cannot checkpoint with NVMe {key.split('_')[1]} swapping (DeepSpeed AutoEP + "
-                              "ZeRO-3 restores experts from optimizer shards); use deepspeed=zero3_offload (CPU)")
+            raise LayoutError(
+                f"{what} cannot checkpoint with NVMe {key.split('_')[1]} swapping (DeepSpeed AutoEP + "
+                "ZeRO-3 restores experts from optimizer shards); use deepspeed=zero3_offload (CPU)"
+            )
 
 
 # --- the handle -------------------------------------------------------------------------------------------------
@@ -106,8 +119,9 @@ class Parallelism:
         ZeRO-3 builds its own sub-groups per partition group (stage3 `_get_param_partition_group`)."""
         if base_groups is None:
             base_groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
-        groups_ = [dict(g, name=g.get("name", f"group{i}"), params=list(g["params"]))
-                   for i, g in enumerate(base_groups)]
+        groups_ = [
+            dict(g, name=g.get("name", f"group{i}"), params=list(g["params"])) for i, g in enumerate(base_groups)
+        ]
         if not self.ds_moe:
             return groups_
         from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
@@ -121,8 +135,14 @@ class Parallelism:
     def client_state(self) -> dict[str, Any]:
         """Merged into engine.save_checkpoint's client_state: the layout the shards were written in."""
         world = dist.get_world_size() if dist.is_initialized() else 1
-        return {CLIENT_STATE_KEY: {"ep_size": self.ep_size, "world_size": world, "num_experts": self.num_experts,
-                                   "zero_stage": self.zero_stage}}
+        return {
+            CLIENT_STATE_KEY: {
+                "ep_size": self.ep_size,
+                "world_size": world,
+                "num_experts": self.num_experts,
+                "zero_stage": self.zero_stage,
+            }
+        }
 
     @torch.no_grad()
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -176,14 +196,19 @@ def _autoep_class(base: type) -> type:
         def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False, **_: Any) -> None:
             """Groups exist already (`parallelize`); the engine calls this for every AutoEP layer."""
 
-        _AUTOEP_CLASSES[base] = type(f"AutoEP{base.__name__}", (base, AutoEPMoELayer), {
-            "__doc__": f"{base.__name__} presented to DeepSpeed's ZeRO-3 as an AutoEP layer (training/parallelize.py).",
-            "forward": base.forward, "set_deepspeed_parallelism": set_deepspeed_parallelism})
+        _AUTOEP_CLASSES[base] = type(
+            f"AutoEP{base.__name__}",
+            (base, AutoEPMoELayer),
+            {
+                "__doc__": f"{base.__name__} presented to ZeRO-3 as an AutoEP layer (training/parallelize.py).",
+                "forward": base.forward,
+                "set_deepspeed_parallelism": set_deepspeed_parallelism,
+            },
+        )
     return _AUTOEP_CLASSES[base]
 
 
-def present_as_autoep(moe: nn.Module, num_experts: int, ep_size: int, ep_rank: int, ep_group,
-                      edp_group) -> nn.Module:
+def present_as_autoep(moe: nn.Module, num_experts: int, ep_size: int, ep_rank: int, ep_group, edp_group) -> nn.Module:
     """Make a (sliced) LatentMoE an AutoEPMoELayer in place and tag its experts with AutoEP's ZeRO-3 placement."""
     from deepspeed.checkpoint.autoep_affine import (
         autoep_experts_for_rank,
@@ -210,9 +235,17 @@ def present_as_autoep(moe: nn.Module, num_experts: int, ep_size: int, ep_rank: i
     for w in EXPERT_WEIGHTS:
         p = getattr(moe.experts, w)
         shape = [num_experts, *getattr(p, "ds_shape", p.shape)[1:]]
-        setattr(p, DS_AUTOEP_UC_META, {
-            AUTOEP_EXPERT_PLACEMENT: placement, AFFINE_MAP: autoep_placement_to_affine_map(placement, shape).to_dict(),
-            AUTOEP_PARAM_LOGICAL_SHAPE: shape, AUTOEP_PARAM_EP_RANK: ep_rank, AUTOEP_PARAM_LOCAL_EXPERTS: local})
+        setattr(
+            p,
+            DS_AUTOEP_UC_META,
+            {
+                AUTOEP_EXPERT_PLACEMENT: placement,
+                AFFINE_MAP: autoep_placement_to_affine_map(placement, shape).to_dict(),
+                AUTOEP_PARAM_LOGICAL_SHAPE: shape,
+                AUTOEP_PARAM_EP_RANK: ep_rank,
+                AUTOEP_PARAM_LOCAL_EXPERTS: local,
+            },
+        )
         tag_expert_param(p, name, zero3=True)
         p.ds_zero_partition_process_group = edp_group  # read by zero.Init's _convert_to_deepspeed_param
     return moe
@@ -244,10 +277,22 @@ def structural_twin(config: K3Config) -> K3Config:
     a model that runs a forward in milliseconds whatever the size of the real one."""
     lac = {**config.linear_attn_config, "num_heads": 2, "head_dim": 16}
     widths: dict[str, Any] = {
-        "vocab_size": 64, "hidden_size": 32, "intermediate_size": 32, "moe_intermediate_size": 16,
-        "routed_expert_hidden_size": 16, "num_attention_heads": 2, "num_key_value_heads": 2, "kv_lora_rank": 16,
-        "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8, "linear_attn_config": lac,
-        "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 32,
+        "moe_intermediate_size": 16,
+        "routed_expert_hidden_size": 16,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 8,
+        "linear_attn_config": lac,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+    }
     if config.q_lora_rank is not None:
         widths["q_lora_rank"] = 16
     return config.replace(**widths)
@@ -314,20 +359,26 @@ def expert_groups(ep_size: int) -> tuple[str, Any, Any, int]:
     name = f"ep_size_{ep_size}"
     if name not in groups._get_expert_parallel_group_dict():
         groups._create_expert_and_data_parallel(ep_size)
-    return (name, groups._get_expert_parallel_group(name), groups._get_expert_data_parallel_group(name),
-            groups._get_expert_parallel_rank(name))
+    return (
+        name,
+        groups._get_expert_parallel_group(name),
+        groups._get_expert_data_parallel_group(name),
+        groups._get_expert_parallel_rank(name),
+    )
 
 
 def shard_experts(moe: nn.Module, num_local: int, offset: int) -> None:
     """Keep only experts [offset, offset + num_local) of a full LatentMoE (same Parameter objects)."""
     experts = moe.experts
     if experts.num_local != experts.num_experts:
-        raise ValueError(f"parallelize expects full models (num_local={experts.num_local}, "
-                         f"num_experts={experts.num_experts}); call it once, on a freshly built model")
+        raise ValueError(
+            f"parallelize expects full models (num_local={experts.num_local}, "
+            f"num_experts={experts.num_experts}); call it once, on a freshly built model"
+        )
     with torch.no_grad():
         for w in EXPERT_WEIGHTS:
             p = getattr(experts, w)
-            p.data = p.data[offset:offset + num_local].clone()
+            p.data = p.data[offset : offset + num_local].clone()
     experts.num_local, experts.expert_offset = num_local, offset
 
 
@@ -342,8 +393,10 @@ def parallelize(model: nn.Module, ep_size: int, zero_stage: int, expert_files: b
     num_experts = int(layers[0][1].experts.num_experts) if layers else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     if ep_size < 1 or world % ep_size or (layers and num_experts % ep_size):
-        raise ValueError(f"parallel.ep_size={ep_size} must divide both the world size ({world}) and num_experts "
-                         f"({num_experts}); pick a common divisor")
+        raise ValueError(
+            f"parallel.ep_size={ep_size} must divide both the world size ({world}) and num_experts "
+            f"({num_experts}); pick a common divisor"
+        )
     names = [n for n, _ in layers]
     handle = Parallelism(1, 0, num_experts, zero_stage, None, moe_names=names)
     if layers and (ep_size > 1 or zero_stage == 3 or expert_files):

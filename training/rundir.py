@@ -5,6 +5,7 @@ kernel drops it when the process dies, so a crash never leaves a stale lock) and
 start time) into it, so a second job stops with one line naming the holder. `archive_previous_run` moves a
 previous run's files into `<run_dir>/archive/<UTC timestamp>/` (`checkpoint.start_over=true`).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -34,13 +35,17 @@ def check_run_dir(run_dir: str, need_bytes: int) -> None:
             os.fsync(f.fileno())
         os.remove(probe)
     except OSError as e:
-        raise RunDirError(f"run_dir {run_dir} is not writable ({e.strerror or e}); choose another run_dir= or fix "
-                          "its permissions/free space") from None
+        raise RunDirError(
+            f"run_dir {run_dir} is not writable ({e.strerror or e}); choose another run_dir= or fix "
+            "its permissions/free space"
+        ) from None
     free = shutil.disk_usage(run_dir).free
     if free < need_bytes:
-        raise RunDirError(f"run_dir {run_dir} has {free / 2**20:.0f} MiB free, checkpoints need about "
-                          f"{need_bytes / 2**20:.0f} MiB; free disk space, lower checkpoint.keep_last or choose "
-                          "another run_dir=")
+        raise RunDirError(
+            f"run_dir {run_dir} has {free / 2**20:.0f} MiB free, checkpoints need about "
+            f"{need_bytes / 2**20:.0f} MiB; free disk space, lower checkpoint.keep_last or choose "
+            "another run_dir="
+        )
 
 
 LOCK_FILE = ".lock"
@@ -57,15 +62,18 @@ def lock_run_dir(run_dir: str) -> None:
         os.makedirs(run_dir, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
-        raise RunDirError(f"run_dir {run_dir} is not writable ({e.strerror or e}); choose another run_dir= or fix "
-                          "its permissions") from None
+        raise RunDirError(
+            f"run_dir {run_dir} is not writable ({e.strerror or e}); choose another run_dir= or fix its permissions"
+        ) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         holder = os.pread(fd, 512, 0).decode("utf-8", "replace").strip() or "holder unknown"
         os.close(fd)
-        raise RunDirError(f"run_dir {run_dir} is in use by another job ({holder}); wait for it to end, stop it, "
-                          "or choose another run_dir=") from None
+        raise RunDirError(
+            f"run_dir {run_dir} is in use by another job ({holder}); wait for it to end, stop it, "
+            "or choose another run_dir="
+        ) from None
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, started {started}\n".encode(), 0)

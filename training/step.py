@@ -4,6 +4,7 @@ Loss normalisation: each micro-batch's mean CE is rescaled by (its target count 
 so that after DeepSpeed's 1/GA scaling and DP averaging the gradient is that of the global-batch token mean, the
 same for any split of the global batch into ranks and micro-batches (DP=2,GA=1 == DP=1,GA=2).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

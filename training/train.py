@@ -8,6 +8,7 @@ Every rank composes the same config and writes into the same `run_dir`. A bad co
 stderr and status 2 before any process group, run directory or checkpoint is touched. Importing this module has
 no side effects; `main` adjusts the process (argv from the launcher, warning filters, accelerator) when it runs.
 """
+
 from __future__ import annotations
 
 import os

@@ -7,6 +7,7 @@ checkpoints and the resume policy live in training/checkpoint/. One step, in ord
 model forward/backward under the DeepSpeed engine -> engine.step -> the guard's skip decision -> the balancers
 (global routing statistics, training/balance.py) -> callbacks add to the log record -> logger -> checkpoint.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -82,19 +83,27 @@ class Trainer:
         self.tokenizer = self._prepare_tokenizer()
 
         # --- model: built sharded and laid out by training/parallel (each rank only what it owns), engine -------
-        resume_from = checkpoint.resume_dir(cfg.checkpoint.resume, self.ckpt_root, bool(cfg.checkpoint.fallback),
-                                            self.is_main)
+        resume_from = checkpoint.resume_dir(
+            cfg.checkpoint.resume, self.ckpt_root, bool(cfg.checkpoint.fallback), self.is_main
+        )
         self.plan = checkpoint.plan_for(cfg, mcfg, self.world, resume_from, self.run_dir)  # same run? horizon
-        self.model, self.ep = build_model(mcfg, int(t.seed), int(cfg.parallel.ep_size), int(cfg.deepspeed.zero_stage),
-                                          self.ds_config, cfg.model.init_from,
-                                          expert_files=bool(resume_from and checkpoint.has_expert_files(resume_from)))
+        self.model, self.ep = build_model(
+            mcfg,
+            int(t.seed),
+            int(cfg.parallel.ep_size),
+            int(cfg.deepspeed.zero_stage),
+            self.ds_config,
+            cfg.model.init_from,
+            expert_files=bool(resume_from and checkpoint.has_expert_files(resume_from)),
+        )
         self.model.set_gradient_checkpointing(bool(t.activation_checkpointing))
         groups = self.ep.param_groups(self.model, param_groups(self.model, float(cfg.schedule.weight_decay)))
         self.reducer = self.ep.stats_reducer()
         if resume_from:  # another layout's ZeRO-3 checkpoint: DeepSpeed's universal format (training/parallel)
             self.ds_config = self.ep.prepare_resume(self.ds_config, resume_from, self.run_dir)
-        self.engine, self.optimizer, self.scheduler = initialize(cfg, self.model, self.ds_config, groups,
-                                                                 total_steps=self.plan.horizon)
+        self.engine, self.optimizer, self.scheduler = initialize(
+            cfg, self.model, self.ds_config, groups, total_steps=self.plan.horizon
+        )
         safe_load.install(self.engine)  # checkpoints are untrusted: never unpickle code
         install_guard(self.engine)  # ZeRO-0: skip non-finite steps like the ZeRO optimizers do
         self.guard = StepGuard(int(t.max_bad_steps))
@@ -103,9 +112,17 @@ class Trainer:
         self.moe_layers = self.module.moe_layers()
         self.moe_layer_ids = [i for i in range(mcfg.num_hidden_layers) if mcfg.is_moe_layer(i)]
 
-        self.loader = GlobalBatchLoader(OmegaConf.to_object(cfg.data), self.tokenizer, int(t.seq_len),
-                                        self.global_rows, int(t.micro_batch_size), self.info.rank, self.world,
-                                        int(t.seed), loss_on=str(t.loss_on))
+        self.loader = GlobalBatchLoader(
+            OmegaConf.to_object(cfg.data),
+            self.tokenizer,
+            int(t.seq_len),
+            self.global_rows,
+            int(t.micro_batch_size),
+            self.info.rank,
+            self.world,
+            int(t.seed),
+            loss_on=str(t.loss_on),
+        )
         self.flops_per_token = flops_per_token(mcfg, int(t.seq_len), training=True)
         self.peak = peak_flops()  # per device; on CPU the machine's measured fp32 matmul peak
         self.step, self.tokens_seen, run_id = 0, 0, None
@@ -113,11 +130,19 @@ class Trainer:
             run_id = self._resume(resume_from)
         self.start_step = self.step
         self.resumed_from = resume_from
-        self.logger = RunLogger(self.run_dir, self.effective_config(), mode=cfg.logging.mode,
-                                project=cfg.logging.project, run_id=run_id, total_steps=int(t.steps),
-                                is_main=self.is_main, heatmap_every=int(cfg.logging.heatmap_every),
-                                resume=resume_from is not None, start_step=self.step,
-                                progress=bool(cfg.logging.progress))
+        self.logger = RunLogger(
+            self.run_dir,
+            self.effective_config(),
+            mode=cfg.logging.mode,
+            project=cfg.logging.project,
+            run_id=run_id,
+            total_steps=int(t.steps),
+            is_main=self.is_main,
+            heatmap_every=int(cfg.logging.heatmap_every),
+            resume=resume_from is not None,
+            start_step=self.step,
+            progress=bool(cfg.logging.progress),
+        )
 
     # --- build helpers ------------------------------------------------------------------------------------------
     def effective_config(self) -> dict[str, Any]:
@@ -125,8 +150,11 @@ class Trainer:
         not nulls for what the preset filled in): what config.yaml and the W&B config record."""
         out = OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True)
         model = dataclasses.asdict(self.mcfg)
-        out["model"] = {"preset": self.cfg.model.preset, "init_from": self.cfg.model.init_from,
-                        **{k: model[k] for k in out["model"] if k in model}}
+        out["model"] = {
+            "preset": self.cfg.model.preset,
+            "init_from": self.cfg.model.init_from,
+            **{k: model[k] for k in out["model"] if k in model},
+        }
         return out
 
     def _write_run_files(self) -> None:
@@ -155,19 +183,21 @@ class Trainer:
         if tok is None:
             tok = prepare_tokenizer(data_cfg)
         if tok.vocab_size > self.mcfg.vocab_size:
-            raise TrainConfigError(f"tokenizer vocab {tok.vocab_size} > model.vocab_size {self.mcfg.vocab_size}; "
-                                   "raise model.vocab_size or use a smaller tokenizer")
+            raise TrainConfigError(
+                f"tokenizer vocab {tok.vocab_size} > model.vocab_size {self.mcfg.vocab_size}; "
+                "raise model.vocab_size or use a smaller tokenizer"
+            )
         return tok
 
     def _resume(self, tag_dir: str) -> str | None:
         """Restore engine, trainer counters, guard, data position and RNG; returns the W&B run id."""
         base_lrs = list(self.scheduler.base_lrs) if self.scheduler is not None else []
-        state, rank_state = checkpoint.load(self.engine, tag_dir, self.info.rank, self.world,
-                                            ep_load=self.ep.load_checkpoint)
+        state, rank_state = checkpoint.load(
+            self.engine, tag_dir, self.info.rank, self.world, ep_load=self.ep.load_checkpoint
+        )
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
         self.guard.load_state_dict(state)
-        checkpoint.apply_plan(self.plan, self.loader, rank_state.get("data"), self.scheduler, base_lrs,
-                              self.is_main)
+        checkpoint.apply_plan(self.plan, self.loader, rank_state.get("data"), self.scheduler, base_lrs, self.is_main)
         if rank_state.get("rng") is not None:
             checkpoint.set_rng_state(rank_state["rng"])
         if self.is_main:
@@ -177,8 +207,9 @@ class Trainer:
     # --- one optimizer step -------------------------------------------------------------------------------------
     def train_step(self) -> StepResult:
         mbs = [pack_microbatch(self.loader.next_microbatch()) for _ in range(self.ga)]
-        local = torch.tensor([sum(m.n_targets for m in mbs), sum(int(m.ids_1N.numel()) for m in mbs)],
-                             dtype=torch.float64)
+        local = torch.tensor(
+            [sum(m.n_targets for m in mbs), sum(int(m.ids_1N.numel()) for m in mbs)], dtype=torch.float64
+        )
         n_global, tok_global = (int(x) for x in all_reduce_sum(local))
         scale_base = self.world * self.ga / max(1, n_global)
         loss_sum = torch.zeros((), dtype=torch.float64)
@@ -186,8 +217,9 @@ class Trainer:
         routing = balance.StepRouting()
         lr = float(self.scheduler.get_last_lr()[0]) if self.scheduler is not None else float(self.cfg.optim.lr)
         for mb in mbs:
-            out = self.engine(mb.ids_1N.to(self.device), labels=mb.labels_1N.to(self.device),
-                              cu_seqlens=mb.cu_seqlens.to(self.device))
+            out = self.engine(
+                mb.ids_1N.to(self.device), labels=mb.labels_1N.to(self.device), cu_seqlens=mb.cu_seqlens.to(self.device)
+            )
             n = mb.n_targets
             self.engine.backward(out.loss * (n * scale_base) if n > 0 else out.loss * 0.0)
             self.engine.step()
@@ -202,16 +234,29 @@ class Trainer:
         global_stats = routing.reduce_global(self.reducer)  # collective on every rank, skipped or not
         extra = [] if skipped else balance.apply(self.moe_layers, global_stats)  # a bad step moves no bias
         gn = self.engine.get_global_grad_norm()
-        return StepResult(loss=loss, lr=lr, grad_norm=float(gn) if gn is not None else float("nan"),
-                          tokens=tok_global, loss_tokens=n_global, skipped=skipped,
-                          aux_loss=float(totals[1]) / self.world if self.mcfg.moe_balance == "aux" else None,
-                          counts_LE=balance.counts_LE(global_stats), balance_extra=extra)
+        return StepResult(
+            loss=loss,
+            lr=lr,
+            grad_norm=float(gn) if gn is not None else float("nan"),
+            tokens=tok_global,
+            loss_tokens=n_global,
+            skipped=skipped,
+            aux_loss=float(totals[1]) / self.world if self.mcfg.moe_balance == "aux" else None,
+            counts_LE=balance.counts_LE(global_stats),
+            balance_extra=extra,
+        )
 
     # --- checkpoints --------------------------------------------------------------------------------------------
     def save(self) -> None:
-        state = {"step": self.step, "tokens_seen": self.tokens_seen, "wandb_run_id": self.logger.run_id,
-                 "world_size": self.world, "global_batch_rows": self.global_rows, **self.guard.state_dict(),
-                 **self.plan.state()}
+        state = {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "wandb_run_id": self.logger.run_id,
+            "world_size": self.world,
+            "global_batch_rows": self.global_rows,
+            **self.guard.state_dict(),
+            **self.plan.state(),
+        }
 
         def extra(tag_dir: str) -> None:
             self.mcfg.save(tag_dir)
@@ -222,10 +267,18 @@ class Trainer:
 
         if self.is_main:
             write_conversion_note(self.ckpt_root)
-        checkpoint.save(self.engine, self.ckpt_root, self.step, state,
-                        {"rng": checkpoint.rng_state(), "data": self.loader.state_dict()}, self.info.rank,
-                        int(self.cfg.checkpoint.keep_last), extra_files=extra,
-                        client_extra=self.ep.client_state() if self.ep.group_name else None, on_phase=on_phase)
+        checkpoint.save(
+            self.engine,
+            self.ckpt_root,
+            self.step,
+            state,
+            {"rng": checkpoint.rng_state(), "data": self.loader.state_dict()},
+            self.info.rank,
+            int(self.cfg.checkpoint.keep_last),
+            extra_files=extra,
+            client_extra=self.ep.client_state() if self.ep.group_name else None,
+            on_phase=on_phase,
+        )
 
     def stop_bad_steps(self) -> None:
         """Too many consecutive non-finite steps: checkpoint (weights of the last good step) and stop."""
@@ -249,9 +302,14 @@ class Trainer:
             self.tokens_seen += last.tokens
             self.callbacks.on_step(self, last)
             if self.is_log_step():
-                record: dict[str, Any] = {"loss": last.loss, "lr": last.lr, "grad_norm": last.grad_norm,
-                                          "tokens": last.tokens, "loss_tokens": last.loss_tokens,
-                                          "skipped_steps": self.guard.skipped_steps}
+                record: dict[str, Any] = {
+                    "loss": last.loss,
+                    "lr": last.lr,
+                    "grad_norm": last.grad_norm,
+                    "tokens": last.tokens,
+                    "loss_tokens": last.loss_tokens,
+                    "skipped_steps": self.guard.skipped_steps,
+                }
                 if last.aux_loss is not None:
                     record["aux_loss"] = last.aux_loss
                 self.callbacks.on_log(self, record)
@@ -261,8 +319,11 @@ class Trainer:
                 self.stop_bad_steps()
             if (ck_every and self.step % ck_every == 0) or (self.step == steps and cfg.checkpoint.save_final):
                 self.save()
-        summary: dict[str, Any] = {"steps": self.step, "final_loss": last.loss if last else None,
-                                   "tokens_seen": self.tokens_seen}
+        summary: dict[str, Any] = {
+            "steps": self.step,
+            "final_loss": last.loss if last else None,
+            "tokens_seen": self.tokens_seen,
+        }
         self.callbacks.on_train_end(self, summary)
         self.logger.summary(summary)
         self.logger.close()

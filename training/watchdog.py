@@ -12,6 +12,7 @@ both CPU and GPU, Linux:
 
 A process not started by the DeepSpeed launcher (`python -m training.train`, nohup'd or not) is left alone.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -65,8 +66,12 @@ def _watch(procs: list[psutil.Process], poll_s: float) -> None:
     while True:
         for p in procs:
             if _gone(p):
-                print(f"error: the deepspeed launcher (pid {p.pid}) is gone; stopping rank pid {os.getpid()} "
-                      "(resume with checkpoint.resume=auto)", file=sys.stderr, flush=True)
+                print(
+                    f"error: the deepspeed launcher (pid {p.pid}) is gone; stopping rank pid {os.getpid()} "
+                    "(resume with checkpoint.resume=auto)",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 os._exit(1)
         time.sleep(poll_s)
 

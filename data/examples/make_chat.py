@@ -6,6 +6,7 @@ tokens falls. Deterministic (seeded); some rows have a system prompt, some are t
 
     python -m data.examples.make_chat [--out data/examples/chat_tiny.jsonl] [--n 400] [--seed 0]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,9 +17,32 @@ from pathlib import Path
 from data.files import atomic_write
 
 WORDS = (
-    "apple", "river", "stone", "cloud", "garden", "window", "copper", "violet", "lantern", "harbor", "pencil",
-    "meadow", "rocket", "silver", "thunder", "basket", "candle", "forest", "marble", "orange", "planet",
-    "shadow", "spring", "tiger", "velvet", "winter",
+    "apple",
+    "river",
+    "stone",
+    "cloud",
+    "garden",
+    "window",
+    "copper",
+    "violet",
+    "lantern",
+    "harbor",
+    "pencil",
+    "meadow",
+    "rocket",
+    "silver",
+    "thunder",
+    "basket",
+    "candle",
+    "forest",
+    "marble",
+    "orange",
+    "planet",
+    "shadow",
+    "spring",
+    "tiger",
+    "velvet",
+    "winter",
 )
 COLOURS = {"red": "rouge", "blue": "bleu", "green": "vert", "black": "noir", "white": "blanc", "yellow": "jaune"}
 SYSTEMS = ("You are a concise assistant.", "Answer in one short sentence.", "You are a helpful tutor.")
@@ -41,8 +65,10 @@ def task(rng: random.Random) -> tuple[str, str]:
         return f"How many letters are in '{w}'?", f"'{w}' has {len(w)} letters."
     if kind == 4:
         xs = rng.sample(range(1, 50), rng.randint(3, 5))
-        return (f"Sort these numbers: {', '.join(map(str, xs))}.",
-                f"In ascending order: {', '.join(map(str, sorted(xs)))}.")
+        return (
+            f"Sort these numbers: {', '.join(map(str, xs))}.",
+            f"In ascending order: {', '.join(map(str, sorted(xs)))}.",
+        )
     en = rng.choice(sorted(COLOURS))
     return f"How do you say '{en}' in French?", f"'{en}' in French is '{COLOURS[en]}'."
 

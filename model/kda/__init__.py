@@ -1,5 +1,6 @@
 """Kimi Delta Attention: the fla-compatible kernels (`chunk_kda`, `recurrent_kda`), their per-token reference
 (`naive_recurrent_kda`) and the `KDA` layer."""
+
 from model.kda.layer import KDA, KDACache
 from model.kda.naive import naive_recurrent_kda
 from model.kda.ops import chunk_kda, recurrent_kda

@@ -1,6 +1,7 @@
 """Block-lower-triangular C x C algebra for the chunked KDA core (model/kda/chunk.py): the decayed score matrices
 are lower triangular, so they are kept as diagonal blocks plus strips below and the zero upper part is never
 computed; `unit_lower_inverse` is the UT transform's (I + L)^-1 by recursive halving."""
+
 from __future__ import annotations
 
 import torch
@@ -48,8 +49,9 @@ class BlockLower:
             if alpha != 1.0:
                 St.mul_(alpha)
             for X, Y, alpha in terms[1:]:
-                St.flatten(0, -3).baddbmm_(X[..., r0:, :].flatten(0, -3),
-                                           Y[..., c0:r0, :].flatten(0, -3).transpose(-1, -2), alpha=alpha)
+                St.flatten(0, -3).baddbmm_(
+                    X[..., r0:, :].flatten(0, -3), Y[..., c0:r0, :].flatten(0, -3).transpose(-1, -2), alpha=alpha
+                )
             strips.append(St)
         return BlockLower(diag, strips)
 
@@ -77,18 +79,20 @@ class BlockLower:
         """Diag(beta) M in place, beta [..., C]."""
         self.diag.mul_(beta.view(*beta.shape[:-1], self.n_s, self.S, 1))
         for b, St in enumerate(self.strips):
-            St.mul_(beta[..., self._rows(b)[0]:, None])
+            St.mul_(beta[..., self._rows(b)[0] :, None])
         return self
 
     def scale_rows(self, beta: torch.Tensor) -> BlockLower:
-        return BlockLower(self.diag * beta.view(*beta.shape[:-1], self.n_s, self.S, 1),
-                           [St * beta[..., self._rows(b)[0]:, None] for b, St in enumerate(self.strips)])
+        return BlockLower(
+            self.diag * beta.view(*beta.shape[:-1], self.n_s, self.S, 1),
+            [St * beta[..., self._rows(b)[0] :, None] for b, St in enumerate(self.strips)],
+        )
 
     def row_dot(self, other: BlockLower) -> torch.Tensor:
         """sum_i M[r, i] O[r, i] per row r: [..., C]."""
         out = (self.diag * other.diag).sum(-1).flatten(-2)
         for b, (St, Ot) in enumerate(zip(self.strips, other.strips)):
-            out[..., self._rows(b)[0]:].add_((St * Ot).sum(-1))
+            out[..., self._rows(b)[0] :].add_((St * Ot).sum(-1))
         return out
 
     def unit_inverse(self) -> BlockLower:
@@ -100,10 +104,12 @@ class BlockLower:
         for b in range(self.n_s - 2, -1, -1):
             r0 = (b + 1) * S
             Z = self.strips[b] @ Td[..., b, :, :]  # [..., C - r0, S]
-            Y = torch.matmul(Td[..., b + 1:, :, :], Z.view(*Z.shape[:-2], self.n_s - b - 1, S, S)).view_as(Z)
+            Y = torch.matmul(Td[..., b + 1 :, :, :], Z.view(*Z.shape[:-2], self.n_s - b - 1, S, S)).view_as(Z)
             for b2 in range(b + 1, self.n_s - 1):
                 r2 = (b2 + 1) * S
-                as_batched(Y[..., r2 - r0:, :]).baddbmm_(as_batched(strips[b2]), as_batched(Z[..., r2 - S - r0:r2 - r0, :]))
+                as_batched(Y[..., r2 - r0 :, :]).baddbmm_(
+                    as_batched(strips[b2]), as_batched(Z[..., r2 - S - r0 : r2 - r0, :])
+                )
             strips[b] = Y.neg_()
         return BlockLower(Td, strips)
 

@@ -19,10 +19,12 @@ path contributes sum_V dS_{n+1} * S_{n+1} to every position.
 Layout: each group's inputs are copied into contiguous chunk-major buffers, fused with their first op (q * scale,
 cumsum(g), v straight into the right half of [kg | v]); a strided view would make every elementwise op slow and
 every matmul copy its operand first. Per-chunk loop views come from one `unbind` each; strip products accumulate
-in place through `[batch, R, D]` views (`as_batched`) instead of `+=` on slices (which copies back). The UT backward uses
+in place through `[batch, R, D]` views (`as_batched`) instead of `+=` on slices (which copies back). The UT backward
+uses
 T^T dW = -(T^T dU) S^T: one [C, V] triangular product and one state matmul instead of a state matmul and a
 [C, K + V] triangular product.
 """
+
 from __future__ import annotations
 
 import torch
@@ -82,13 +84,13 @@ class _DecayFactors:
             self.D = torch.where(causal[:, :, None], diff, torch.full_like(diff, -torch.inf)).exp_()
             return
         G_blk = G.view(*lead, self.n_s, S, K)
-        self.P = (G_blk - G_blk[..., S // 2:S // 2 + 1, :]).exp_().view_as(G)  # [..., C, K]
+        self.P = (G_blk - G_blk[..., S // 2 : S // 2 + 1, :]).exp_().view_as(G)  # [..., C, K]
         self.Q = torch.reciprocal(self.P)
         self.strips = []  # (P_s [..., C - r0, K], Q_s [..., S, K]) below diagonal block b, r0 = (b + 1) S
         for b in range(self.n_s - 1):
             r0 = (b + 1) * S
-            G_e = G[..., r0 - 1:r0, :]
-            self.strips.append([_exp_floored(G[..., r0:, :] - G_e), _exp_floored(G_e - G[..., r0 - S:r0, :])])
+            G_e = G[..., r0 - 1 : r0, :]
+            self.strips.append([_exp_floored(G[..., r0:, :] - G_e), _exp_floored(G_e - G[..., r0 - S : r0, :])])
 
     def _blk(self, x: torch.Tensor) -> torch.Tensor:
         return x.view(*x.shape[:-2], self.n_s, self.S, x.shape[-1])
@@ -97,13 +99,13 @@ class _DecayFactors:
     def rows(self, a: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         if self.exact:
             return a, []
-        return a * self.P, [a[..., (b + 1) * self.S:, :] * P_s for b, (P_s, _) in enumerate(self.strips)]
+        return a * self.P, [a[..., (b + 1) * self.S :, :] * P_s for b, (P_s, _) in enumerate(self.strips)]
 
     def cols(self, b: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         if self.exact:
             return b, []
         S = self.S
-        return b * self.Q, [b[..., j * S:(j + 1) * S, :] * Q_s for j, (_, Q_s) in enumerate(self.strips)]
+        return b * self.Q, [b[..., j * S : (j + 1) * S, :] * Q_s for j, (_, Q_s) in enumerate(self.strips)]
 
     # ---- the three operations
     def scores(self, aP, aP_s, bQ, bQ_s, diagonal: int) -> BlockLower:
@@ -121,7 +123,7 @@ class _DecayFactors:
         Y = torch.matmul(M.diag, self._blk(bQ), out=None if out is None else self._blk(out))
         Y = Y.view_as(bQ).mul_(self.P)
         for b, ((P_s, _), St, b_s) in enumerate(zip(self.strips, M.strips, bQ_s)):
-            Y[..., (b + 1) * self.S:, :].addcmul_(P_s, St @ b_s)
+            Y[..., (b + 1) * self.S :, :].addcmul_(P_s, St @ b_s)
         return Y
 
     def col_apply(self, Ms: list[BlockLower], aPs: list[tuple[torch.Tensor, list[torch.Tensor]]]) -> torch.Tensor:
@@ -142,7 +144,7 @@ class _DecayFactors:
             acc = Ms[0].strips[j].transpose(-1, -2) @ aPs[0][1][j]
             for M, (_, a_s) in zip(Ms[1:], aPs[1:]):
                 acc.flatten(0, -3).baddbmm_(M.strips[j].transpose(-1, -2).flatten(0, -3), a_s[j].flatten(0, -3))
-            Y[..., j * S:(j + 1) * S, :].addcmul_(Q_s, acc)
+            Y[..., j * S : (j + 1) * S, :].addcmul_(Q_s, acc)
         return Y
 
     def last_row_decay(self) -> torch.Tensor:
@@ -157,7 +159,7 @@ class _DecayFactors:
         torch.mul(self.Q[..., -S:, :], self.P[..., -1:, :], out=E[..., -S:, :])
         # earlier blocks: exp(G_last - G_e) exp(G_e - G_i), both <= 1 (an underflowed factor means a tiny product)
         for j, (P_s, Q_s) in enumerate(self.strips):
-            torch.mul(Q_s, P_s[..., -1:, :], out=E[..., j * S:(j + 1) * S, :])
+            torch.mul(Q_s, P_s[..., -1:, :], out=E[..., j * S : (j + 1) * S, :])
         return E
 
 
@@ -192,9 +194,9 @@ def _forward_group(q, k, X0, G, beta, S_all, n0: int, S: int) -> tuple[torch.Ten
     d = Gam[..., -1, :].unsqueeze(-1)  # exp(G_last) [n, X, K, 1]
     Kd = k * E  # [n, X, C, K]
     Vp = torch.empty_like(U, memory_format=torch.contiguous_format)  # pseudo-values U - W S
-    _state_forward(U, W, d, Kd, Vp, S_all[n0:n0 + N + 1])
+    _state_forward(U, W, d, Kd, Vp, S_all[n0 : n0 + N + 1])
     del Kd, E
-    o = A_qk.mm(Vp, acc=qg @ S_all[n0:n0 + N])
+    o = A_qk.mm(Vp, acc=qg @ S_all[n0 : n0 + N])
     # cheap products are recomputed in the backward: saving them costs more (DRAM traffic). Q becomes None, not
     # deleted: the saved structure (`_tensor_slots`) must be the same in the backward
     dec.Q = None  # type: ignore[assignment]
@@ -204,8 +206,9 @@ def _forward_group(q, k, X0, G, beta, S_all, n0: int, S: int) -> tuple[torch.Ten
 def _state_forward(U, W, d, Kd, Vp, S_n) -> None:
     """The sequential part: Vp_i = U_i - W_i S_i into Vp, S_{i+1} = d_i S_i + Kd_i^T Vp_i into S_n[i + 1]."""
     S_n = S_n.unbind(0)  # one call for all the per-chunk views the loop needs
-    for U_i, W_i, d_i, KdT_i, Vp_i, S_i, S_next in zip(U.unbind(0), W.unbind(0), d.unbind(0),
-                                                       Kd.transpose(-1, -2).unbind(0), Vp.unbind(0), S_n, S_n[1:]):
+    for U_i, W_i, d_i, KdT_i, Vp_i, S_i, S_next in zip(
+        U.unbind(0), W.unbind(0), d.unbind(0), Kd.transpose(-1, -2).unbind(0), Vp.unbind(0), S_n, S_n[1:]
+    ):
         torch.baddbmm(U_i, W_i, S_i, alpha=-1, out=Vp_i)
         torch.baddbmm(d_i * S_i, KdT_i, Vp_i, out=S_next)
 
@@ -214,8 +217,9 @@ def _state_backward(dVp, Kd, d, W, dS_n) -> None:
     """Its backward, last chunk first: dVp_i += Kd_i dS_{i+1}, dS_i += d_i dS_{i+1} - W_i^T dVp_i (dS_n[i] holds
     the output path's term on entry)."""
     dS_n = dS_n.unbind(0)
-    for dVp_i, Kd_i, d_i, WT_i, dS_i, dS_next in list(zip(dVp.unbind(0), Kd.unbind(0), d.unbind(0),
-                                                          W.transpose(-1, -2).unbind(0), dS_n, dS_n[1:]))[::-1]:
+    for dVp_i, Kd_i, d_i, WT_i, dS_i, dS_next in list(
+        zip(dVp.unbind(0), Kd.unbind(0), d.unbind(0), W.transpose(-1, -2).unbind(0), dS_n, dS_n[1:])
+    )[::-1]:
         dVp_i.baddbmm_(Kd_i, dS_next)
         dS_i.addcmul_(d_i, dS_next).baddbmm_(WT_i, dVp_i, alpha=-1)
 
@@ -231,18 +235,18 @@ def _backward_group(saved: list, S_all, dS_all, n0: int, do, outs) -> None:
     Kd = k * E
     W, U = WU[..., :K], WU[..., K:]
     kg, v = X0[..., :K], X0[..., K:]
-    S_prev, S_next = S_all[n0:n0 + N], S_all[n0 + 1:n0 + N + 1]
+    S_prev, S_next = S_all[n0 : n0 + N], S_all[n0 + 1 : n0 + N + 1]
     dq_o, dk_o, dv_o, dg_o, dbeta_o = outs
 
     # output o = qg S_prev + A_qk Vp
     dA_qk = BlockLower.outer([(do, Vp, 1.0)], dec.n_s, diagonal=0)
     dVp = A_qk.mm_t(do)  # becomes the total gradient of Vp in the loop
     dqg = do @ S_prev.transpose(-1, -2)
-    torch.matmul(qg.transpose(-1, -2), do, out=dS_all[n0:n0 + N])
+    torch.matmul(qg.transpose(-1, -2), do, out=dS_all[n0 : n0 + N])
     del qg
-    _state_backward(dVp, Kd, Gam[..., -1, :].unsqueeze(-1), W, dS_all[n0:n0 + N + 1])
+    _state_backward(dVp, Kd, Gam[..., -1, :].unsqueeze(-1), W, dS_all[n0 : n0 + N + 1])
     del Kd
-    dS_next = dS_all[n0 + 1:n0 + N + 1]
+    dS_next = dS_all[n0 + 1 : n0 + N + 1]
     dKd = Vp @ dS_next.transpose(-1, -2)  # [n, X, C, K]
     # whole-chunk decay exp(G_last) of the state path: sum_V dS_{n+1} S_{n+1} to every position (see dg)
     dG_last = (dS_next * S_next).sum(-1)  # [n, X, K]
@@ -281,7 +285,7 @@ def _backward_group(saved: list, S_all, dS_all, n0: int, do, outs) -> None:
 def _group_view(x: torch.Tensor, n0: int, n1: int, C: int) -> torch.Tensor:
     """[B, T, H, D] -> view [n, B, H, C, D] of chunks n0..n1 (chunk-major; B, H merge into X on reshape)."""
     B, _, H, D = x.shape
-    return x[:, n0 * C:n1 * C].view(B, n1 - n0, C, H, D).permute(1, 0, 3, 2, 4)
+    return x[:, n0 * C : n1 * C].view(B, n1 - n0, C, H, D).permute(1, 0, 3, 2, 4)
 
 
 def _tensor_slots(obj):

@@ -4,6 +4,7 @@ per-channel decay, delta-rule write strength beta, gated per-head RMSNorm output
 Attribute names are the HF checkpoint names (docs/model.md §12) so checkpoint IO only renames prefixes. `A_log` is kept
 unpadded [H] here; the checkpoint pads it to a multiple of 128 (model/hf.py owns that).
 """
+
 from __future__ import annotations
 
 import math
@@ -39,8 +40,12 @@ def l2_normalize(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
     return x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) + eps)
 
 
-def causal_depthwise_conv(u_BTP: torch.Tensor, weight_PW: torch.Tensor, prefix_BWP: torch.Tensor | None = None,
-                          segment_start_T: torch.Tensor | None = None) -> torch.Tensor:
+def causal_depthwise_conv(
+    u_BTP: torch.Tensor,
+    weight_PW: torch.Tensor,
+    prefix_BWP: torch.Tensor | None = None,
+    segment_start_T: torch.Tensor | None = None,
+) -> torch.Tensor:
     """y_t[c] = sum_j w[c, j] u_{t-W+1+j}[c], zeros (or `prefix`, the W-1 inputs before t=0) before the start.
 
     `segment_start_T` (packed documents): the first position of each token's document; taps reaching before it
@@ -56,7 +61,7 @@ def causal_depthwise_conv(u_BTP: torch.Tensor, weight_PW: torch.Tensor, prefix_B
     y = u * w[:, W - 1]
     pos_T = torch.arange(T, device=u.device)
     for s in range(1, W):  # tap W-1-s reads the input s steps back
-        tap_BTP = full[:, W - 1 - s: W - 1 - s + T]
+        tap_BTP = full[:, W - 1 - s : W - 1 - s + T]
         if segment_start_T is not None:
             tap_BTP = tap_BTP * (pos_T - s >= segment_start_T).to(u.dtype)[None, :, None]
         y = y + tap_BTP * w[:, W - 1 - s]
@@ -151,8 +156,9 @@ class KDA(nn.Module):
         return torch.sigmoid(upcast(logits))
 
     # --- forward ----------------------------------------------------------------------------------------------
-    def forward(self, x_BTD: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                cache: KDACache | None = None) -> torch.Tensor:
+    def forward(
+        self, x_BTD: torch.Tensor, cu_seqlens: torch.Tensor | None = None, cache: KDACache | None = None
+    ) -> torch.Tensor:
         if x_BTD.dim() != 3 or x_BTD.shape[-1] != self.config.hidden_size:
             raise ValueError(f"KDA expects x [B, T, {self.config.hidden_size}], got {tuple(x_BTD.shape)}")
         if cu_seqlens is not None and cache is not None:
@@ -172,9 +178,11 @@ class KDA(nn.Module):
             prefix = cache.conv_state.get(name) if cache is not None else None
             convs[name] = F.silu(causal_depthwise_conv(u_BTP, weight_PW, prefix, seg_T))
             if cache is not None:
-                hist = torch.cat([prefix if prefix is not None else u_BTP.new_zeros(B, self.conv_size - 1,
-                                                                                 u_BTP.shape[-1]), u_BTP], dim=1)
-                cache.conv_state[name] = hist[:, hist.shape[1] - (self.conv_size - 1):].detach()
+                hist = torch.cat(
+                    [prefix if prefix is not None else u_BTP.new_zeros(B, self.conv_size - 1, u_BTP.shape[-1]), u_BTP],
+                    dim=1,
+                )
+                cache.conv_state[name] = hist[:, hist.shape[1] - (self.conv_size - 1) :].detach()
         q_BTHK = l2_normalize(convs["q"].view(B, T, H, K))
         k_BTHK = l2_normalize(convs["k"].view(B, T, H, K))
         v_BTHV = convs["v"].view(B, T, H, K)
@@ -183,12 +191,28 @@ class KDA(nn.Module):
 
         initial_state = cache.recurrent_state if cache is not None else None
         if T == 1 and cache is not None:  # a decode step
-            o_BTHV, state = recurrent_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, initial_state=initial_state,
-                                          output_final_state=cache is not None, cu_seqlens=cu_seqlens)
+            o_BTHV, state = recurrent_kda(
+                q_BTHK,
+                k_BTHK,
+                v_BTHV,
+                g_BTHK,
+                beta_BTH,
+                initial_state=initial_state,
+                output_final_state=cache is not None,
+                cu_seqlens=cu_seqlens,
+            )
         else:
-            o_BTHV, state = chunk_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, initial_state=initial_state,
-                                      output_final_state=cache is not None, cu_seqlens=cu_seqlens,
-                                      chunk_size=self.chunk_size)
+            o_BTHV, state = chunk_kda(
+                q_BTHK,
+                k_BTHK,
+                v_BTHV,
+                g_BTHK,
+                beta_BTH,
+                initial_state=initial_state,
+                output_final_state=cache is not None,
+                cu_seqlens=cu_seqlens,
+                chunk_size=self.chunk_size,
+            )
         if cache is not None:
             assert state is not None  # output_final_state=True
             cache.recurrent_state = state.detach()

@@ -12,14 +12,22 @@ which is the product form S_t = (I - beta_t k_t k_t^T) Diag(alpha_t) S_{t-1} + b
 K x K transition matrix. It is also the CPU decode path: `recurrent_kda` (model/kda/ops.py) validates its inputs,
 unpacks `cu_seqlens` and calls this loop unless fla's fused kernel is available.
 """
+
 from __future__ import annotations
 
 import torch
 
 
-def naive_recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                        scale: float | None = None, initial_state: torch.Tensor | None = None,
-                        output_final_state: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def naive_recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fla's `naive_recurrent_kda` signature: q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H], state [B, H, K, V].
 
     Runs in fp64 if any input is fp64, else fp32 (the state's dtype); returns (o [B, T, H, V] in q's dtype, the
@@ -29,7 +37,7 @@ def naive_recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     V = v.shape[-1]
     inputs = (q, k, v, g, beta, initial_state)
     dt = torch.float64 if any(x is not None and x.dtype == torch.float64 for x in inputs) else torch.float32
-    scale = K ** -0.5 if scale is None else scale
+    scale = K**-0.5 if scale is None else scale
     q_BTHK = q.to(dt) * scale
     k_BTHK, v_BTHV, beta_BTH = k.to(dt), v.to(dt), beta.to(dt)
     alpha_BTHK = g.to(dt).exp()

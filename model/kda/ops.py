@@ -25,6 +25,7 @@ of 16 or 32 are one block and a chunk of 64 is two). Unbounded gates (Kimi-Linea
 smaller sub-blocks or, past that, the exact difference form, so correctness never depends on the gate bound.
 g > 0 (growth) is outside the model's range and always takes the exact form.
 """
+
 from __future__ import annotations
 
 import functools
@@ -65,8 +66,9 @@ def _check(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size: int | None) 
             raise ValueError(f"cu_seqlens must be nondecreasing from 0 to T={T}, got {cu}")
         N = len(cu) - 1
     if initial_state is not None and tuple(initial_state.shape) != (N, H, K, v.shape[-1]):
-        raise ValueError(f"initial_state must be [N, H, K, V] = [{N}, {H}, {K}, {v.shape[-1]}], "
-                         f"got {tuple(initial_state.shape)}")
+        raise ValueError(
+            f"initial_state must be [N, H, K, V] = [{N}, {H}, {K}, {v.shape[-1]}], got {tuple(initial_state.shape)}"
+        )
     return N
 
 
@@ -115,14 +117,23 @@ def _use_fla(x: torch.Tensor) -> bool:
 # --------------------------------------------------------------------------------------------------------------
 def _recurrent_core(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, S_BHKV, scale: float):
     """`naive_recurrent_kda` in `_run`'s core convention (inputs already in the compute dtype, state given)."""
-    return naive_recurrent_kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, scale=scale, initial_state=S_BHKV,
-                               output_final_state=True)
+    return naive_recurrent_kda(
+        q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, scale=scale, initial_state=S_BHKV, output_final_state=True
+    )
 
 
-def recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                  scale: float | None = None, initial_state: torch.Tensor | None = None,
-                  output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
-                  chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Recurrent KDA, one token per step (decode). Same arguments as `chunk_kda`; `chunk_size` is ignored.
 
     On CUDA with fla: fla's `fused_recurrent_kda`. Elsewhere: the reference loop (model/kda/naive.py) behind the
@@ -132,8 +143,17 @@ def recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     _check(q, k, v, g, beta, initial_state, cu_seqlens, None)
     if _use_fla(q):
         fla_recurrent = _fla_kda()[1]
-        return fla_recurrent(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
-                             output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+        return fla_recurrent(
+            q=q,
+            k=k,
+            v=v,
+            g=g,
+            beta=beta,
+            scale=scale,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            cu_seqlens=cu_seqlens,
+        )
     return _run(_recurrent_core, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
 
 
@@ -165,7 +185,7 @@ def _run(core, q, k, v, g, beta, scale, initial_state, output_final_state, cu_se
     B, T, H, K = q.shape
     V = v.shape[-1]
     dt = _compute_dtype(q, k, v, g, initial_state)
-    scale = K ** -0.5 if scale is None else scale
+    scale = K**-0.5 if scale is None else scale
     q32, k32, v32, g32, b32 = (x.to(dt) for x in (q, k, v, g, beta))
     if cu_seqlens is not None:
         index_NT, valid_NT = _varlen_layout(cu_seqlens, q.device)
@@ -181,10 +201,18 @@ def _run(core, q, k, v, g, beta, scale, initial_state, output_final_state, cu_se
     return o.to(q.dtype).contiguous(), (S if output_final_state else None)
 
 
-def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-              scale: float | None = None, initial_state: torch.Tensor | None = None,
-              output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
-              chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor | None]:
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunkwise-parallel KDA (fla signature). Returns (o [B, T, H, V] in q's dtype, final state [N, H, K, V] or None).
 
     `cu_seqlens` (B == 1) marks packed documents: the state restarts from `initial_state[n]` (or zero) at every
@@ -194,6 +222,15 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     _check(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size)
     if _use_fla(q):
         fla_chunk = _fla_kda()[0]
-        return fla_chunk(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
-                         output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+        return fla_chunk(
+            q=q,
+            k=k,
+            v=v,
+            g=g,
+            beta=beta,
+            scale=scale,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            cu_seqlens=cu_seqlens,
+        )
     return _run(_chunk_core, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size)

@@ -12,7 +12,8 @@ that the result depends only on the *global* batch, not on how it is split over 
 - quantile/histogram: per-expert bin counts over a range fixed by the current bias (summed, integers);
 - sign: tokens per expert (summed, integers).
 
-Quantile Balancing (docs/model.md §5): alpha_i = (k+1)-th largest of s_i + b, r_ij = alpha_i - s_ij. Expert j is in token
+Quantile Balancing (docs/model.md §5): alpha_i = (k+1)-th largest of s_i + b, r_ij = alpha_i - s_ij. Expert j is in
+token
 i's top-k iff b_j > r_ij, so setting b_j to the k/E quantile of {r_ij}_i gives each expert k/E of the tokens (for
 the observed batch); then b <- b - mean(b), which changes no selection. With grouped top-k the margins are taken
 over all experts (groups are ignored by the estimate). Expert j enters with r_ij < b_j, so a quantile q puts
@@ -20,6 +21,7 @@ q*m tokens strictly below: the exact estimator uses linear interpolation at rank
 statistics (the midpoint of the gap between the (qm)-th and (qm+1)-th smallest), the histogram estimator
 interpolates linearly inside the bin where the cumulative count reaches q*m.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,7 +36,7 @@ def qb_margins(scores_NE: torch.Tensor, bias_E: torch.Tensor, k: int) -> torch.T
     """r_ij = alpha_i - s_ij with alpha_i the (k+1)-th largest of s_i + b: [N, E] in >= fp32."""
     s = scores_NE.detach()
     biased = s + bias_E.to(s.dtype)
-    alpha_N1 = torch.topk(biased, k + 1, dim=-1).values[:, k:k + 1]
+    alpha_N1 = torch.topk(biased, k + 1, dim=-1).values[:, k : k + 1]
     return alpha_N1 - s
 
 
@@ -113,13 +115,17 @@ class BalanceStats:
     margins_NE: torch.Tensor | None = None
     hist_EB: torch.Tensor | None = None
 
-    def merge(self, other: "BalanceStats") -> "BalanceStats":
+    def merge(self, other: BalanceStats) -> BalanceStats:
         """Statistics of both token sets (micro-batches of one step): counts and histograms add, margins concat."""
+
         def join(a, b, op):
             return b if a is None else a if b is None else op(a, b)
-        return BalanceStats(self.counts_E + other.counts_E,
-                            join(self.margins_NE, other.margins_NE, lambda a, b: torch.cat([a, b])),
-                            join(self.hist_EB, other.hist_EB, torch.add))
+
+        return BalanceStats(
+            self.counts_E + other.counts_E,
+            join(self.margins_NE, other.margins_NE, lambda a, b: torch.cat([a, b])),
+            join(self.hist_EB, other.hist_EB, torch.add),
+        )
 
 
 class Balancer:
@@ -183,7 +189,9 @@ class Balancer:
         elif stats.hist_EB is not None:
             new_b = histogram_quantile(stats.hist_EB.to(bias.device), *histogram_range(bias), q)
         else:
-            raise ValueError("quantile balancing needs margins or a histogram in BalanceStats; pass the "
-                             "statistics returned by this balancer's observe()")
+            raise ValueError(
+                "quantile balancing needs margins or a histogram in BalanceStats; pass the "
+                "statistics returned by this balancer's observe()"
+            )
         bias.copy_((new_b - new_b.mean()).to(bias.dtype))
         return err

@@ -21,6 +21,7 @@ An expert-parallel dispatcher (training/parallel/alltoall.py) plugs into `Latent
 call signature; it should group by expert with the same stable sort, run `experts.forward_grouped` on what it
 receives, and combine with `combine_slots` so the k-summation order (and hence the bits) match.
 """
+
 from __future__ import annotations
 
 from typing import Protocol
@@ -32,14 +33,14 @@ from model.norm import upcast
 
 
 class Dispatcher(Protocol):
-    def __call__(self, z_NL: torch.Tensor, expert_idx_NK: torch.Tensor, weight_NK: torch.Tensor,
-                 experts: LatentExperts) -> torch.Tensor:
+    def __call__(
+        self, z_NL: torch.Tensor, expert_idx_NK: torch.Tensor, weight_NK: torch.Tensor, experts: LatentExperts
+    ) -> torch.Tensor:
         """u_NL = sum_k weight[n, k] * E_{idx[n, k]}(z[n]); expert ids are global; returns z's dtype."""
         ...
 
 
-def sort_by_expert(expert_idx_NK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor,
-                                                                            torch.Tensor]:
+def sort_by_expert(expert_idx_NK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(order_M, inverse_M, counts_E) for the M = N*K flattened (token, slot) pairs.
 
     order: stable argsort by expert id (pairs of one expert stay in token order); inverse: position of each
@@ -58,7 +59,7 @@ def combine_slots(y_NKL: torch.Tensor, weight_NK: torch.Tensor) -> torch.Tensor:
     w_NK = upcast(weight_NK)
     u_NL = upcast(y_NKL[:, 0]).to(w_NK.dtype) * w_NK[:, :1]
     for k in range(1, y_NKL.shape[1]):
-        u_NL.addcmul_(upcast(y_NKL[:, k]).to(w_NK.dtype), w_NK[:, k:k + 1])
+        u_NL.addcmul_(upcast(y_NKL[:, k]).to(w_NK.dtype), w_NK[:, k : k + 1])
     return u_NL
 
 
@@ -69,8 +70,7 @@ def combine_sorted(y_ML: torch.Tensor, inverse_KN: torch.Tensor, weight_NK: torc
     row_NL = y_ML.new_empty(inverse_KN.shape[1], y_ML.shape[1])
     u_NL = upcast(torch.index_select(y_ML, 0, inverse_KN[0], out=row_NL)).to(w_NK.dtype) * w_NK[:, :1]
     for k in range(1, inverse_KN.shape[0]):
-        u_NL.addcmul_(upcast(torch.index_select(y_ML, 0, inverse_KN[k], out=row_NL)).to(w_NK.dtype),
-                      w_NK[:, k:k + 1])
+        u_NL.addcmul_(upcast(torch.index_select(y_ML, 0, inverse_KN[k], out=row_NL)).to(w_NK.dtype), w_NK[:, k : k + 1])
     return u_NL
 
 
@@ -89,8 +89,18 @@ class _LocalMoE(torch.autograd.Function):
     inputs. Rows are gathered per expert inside the expert loop (no [M, l] copies of z or g)."""
 
     @staticmethod
-    def forward(ctx, z_NL, weight_NK, w1, w3, w2, expert_idx_NK, beta1: float, beta2: float,  # type: ignore[override]
-                recompute: bool = True):
+    def forward(
+        ctx,
+        z_NL,
+        weight_NK,
+        w1,
+        w3,
+        w2,
+        expert_idx_NK,
+        beta1: float,
+        beta2: float,  # type: ignore[override]
+        recompute: bool = True,
+    ):
         N, K = expert_idx_NK.shape
         order_M, inverse_M, counts_E = sort_by_expert(expert_idx_NK, w1.shape[0])
         counts = counts_E.tolist()
@@ -109,9 +119,18 @@ class _LocalMoE(torch.autograd.Function):
         z_NL, weight_NK, w1, w3, w2, order_M, inverse_KN, *kept = ctx.saved_tensors
         N, K = weight_NK.shape
         p_M = upcast(weight_NK).reshape(-1).index_select(0, order_M)
-        g_zM, g_w1, g_w3, g_w2, g_pM = grouped_backward(z_NL, g_NL.contiguous(), ctx.counts, w1, w3, w2, *ctx.betas,
-                                                        row_weight_M=p_M, keep_h=None if ctx.recompute else kept,
-                                                        rows_M=order_M // K)
+        g_zM, g_w1, g_w3, g_w2, g_pM = grouped_backward(
+            z_NL,
+            g_NL.contiguous(),
+            ctx.counts,
+            w1,
+            w3,
+            w2,
+            *ctx.betas,
+            row_weight_M=p_M,
+            keep_h=None if ctx.recompute else kept,
+            rows_M=order_M // K,
+        )
         g_z = sum_sorted(g_zM, inverse_KN)
         g_w = g_pM.index_select(0, inverse_KN.t().reshape(-1)).view(N, K).to(weight_NK.dtype)
         return g_z, g_w, g_w1, g_w3, g_w2, None, None, None, None
@@ -126,13 +145,25 @@ class LocalDispatcher:
     def __init__(self, recompute: bool = True) -> None:
         self.recompute = recompute
 
-    def __call__(self, z_NL: torch.Tensor, expert_idx_NK: torch.Tensor, weight_NK: torch.Tensor,
-                 experts: LatentExperts) -> torch.Tensor:
+    def __call__(
+        self, z_NL: torch.Tensor, expert_idx_NK: torch.Tensor, weight_NK: torch.Tensor, experts: LatentExperts
+    ) -> torch.Tensor:
         if experts.num_local != experts.num_experts:
-            raise ValueError(f"LocalDispatcher needs all {experts.num_experts} experts on this rank, the module "
-                             f"holds {experts.num_local}; plug an expert-parallel dispatcher into LatentMoE")
-        return _LocalMoE.apply(z_NL.contiguous(), weight_NK, experts.w1, experts.w3, experts.w2, expert_idx_NK,
-                               experts.beta1, experts.beta2, self.recompute)
+            raise ValueError(
+                f"LocalDispatcher needs all {experts.num_experts} experts on this rank, the module "
+                f"holds {experts.num_local}; plug an expert-parallel dispatcher into LatentMoE"
+            )
+        return _LocalMoE.apply(
+            z_NL.contiguous(),
+            weight_NK,
+            experts.w1,
+            experts.w3,
+            experts.w2,
+            expert_idx_NK,
+            experts.beta1,
+            experts.beta2,
+            self.recompute,
+        )
 
     def __repr__(self) -> str:
         return f"LocalDispatcher(recompute={self.recompute})"

@@ -17,6 +17,7 @@ rows are processed in blocks of ~BLOCK_ROWS (`expert_blocks`): rows gathered per
 per-expert GEMMs into the block (one bmm when a block holds equal-sized consecutive experts, i.e. balanced
 routing), the row-wise SiTU-GLU once per block, every temporary written into reused scratch blocks.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,7 +26,6 @@ from torch import nn
 from model.config import K3Config
 from model.ffn import cap, situ
 from model.norm import upcast
-
 
 BLOCK_ROWS = 512  # rows per block of consecutive experts: elementwise work runs once per block, not per expert
 
@@ -80,12 +80,13 @@ def _uniform(experts: list[tuple]) -> tuple[int, int, int] | None:
     return None
 
 
-def _rows_by_weight(experts, uni, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, transpose_w: bool,
-                    accumulate: bool = False) -> None:
+def _rows_by_weight(
+    experts, uni, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, transpose_w: bool, accumulate: bool = False
+) -> None:
     """out[rows of e] (+)= x[rows of e] @ op(w[e]) for each expert (piece) of a block; op = transpose or not."""
     if uni is not None:
         e0, G, m = uni
-        wb = w[e0:e0 + G].transpose(1, 2) if transpose_w else w[e0:e0 + G]
+        wb = w[e0 : e0 + G].transpose(1, 2) if transpose_w else w[e0 : e0 + G]
         ob = out.view(G, m, out.shape[1])
         if accumulate:
             ob.baddbmm_(x.view(G, m, x.shape[1]), wb)
@@ -95,22 +96,22 @@ def _rows_by_weight(experts, uni, x: torch.Tensor, w: torch.Tensor, out: torch.T
     for e, o, m, _ in experts:
         we = w[e].t() if transpose_w else w[e]
         if accumulate:
-            out[o:o + m].addmm_(x[o:o + m], we)
+            out[o : o + m].addmm_(x[o : o + m], we)
         else:
-            torch.mm(x[o:o + m], we, out=out[o:o + m])
+            torch.mm(x[o : o + m], we, out=out[o : o + m])
 
 
 def _rows_t_by_rows(experts, uni, x: torch.Tensor, y: torch.Tensor, out_E: torch.Tensor) -> None:
     """out_E[e] (+)= x[rows of e]^T @ y[rows of e] (a weight gradient; later pieces of an expert accumulate)."""
     if uni is not None:
         e0, G, m = uni
-        torch.bmm(x.view(G, m, x.shape[1]).transpose(1, 2), y.view(G, m, y.shape[1]), out=out_E[e0:e0 + G])
+        torch.bmm(x.view(G, m, x.shape[1]).transpose(1, 2), y.view(G, m, y.shape[1]), out=out_E[e0 : e0 + G])
         return
     for e, o, m, first in experts:
         if first:
-            torch.mm(x[o:o + m].t(), y[o:o + m], out=out_E[e])
+            torch.mm(x[o : o + m].t(), y[o : o + m], out=out_E[e])
         else:
-            out_E[e].addmm_(x[o:o + m].t(), y[o:o + m])
+            out_E[e].addmm_(x[o : o + m].t(), y[o : o + m])
 
 
 def _tanh_into(h: torch.Tensor, beta: float, out: torch.Tensor) -> torch.Tensor:
@@ -149,9 +150,17 @@ def _rows(src: torch.Tensor, rows_M: torch.Tensor | None, sl: slice, out: torch.
     return src[sl] if rows_M is None else torch.index_select(src, 0, rows_M[sl], out=out)
 
 
-def grouped_forward(z_ML: torch.Tensor, counts: list[int], w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-                    beta1: float, beta2: float, keep_h: list[torch.Tensor] | None = None,
-                    rows_M: torch.Tensor | None = None) -> torch.Tensor:
+def grouped_forward(
+    z_ML: torch.Tensor,
+    counts: list[int],
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    beta1: float,
+    beta2: float,
+    keep_h: list[torch.Tensor] | None = None,
+    rows_M: torch.Tensor | None = None,
+) -> torch.Tensor:
     """y_ML for rows grouped contiguously by expert (counts[e] rows for local expert e): three GEMMs per expert.
 
     `rows_M` (optional): grouped row i is z_ML[rows_M[i]] (z_ML is then the ungrouped source, e.g. z_NL).
@@ -264,9 +273,11 @@ class LatentExperts(nn.Module):
         self.num_experts = E
         self.num_local = E if num_local is None else int(num_local)
         self.expert_offset = int(expert_offset)
-        if not (0 <= self.expert_offset and self.expert_offset + self.num_local <= E):
-            raise ValueError(f"local experts [{expert_offset}, {expert_offset}+{self.num_local}) exceed "
-                             f"num_experts={E}; fix num_local/expert_offset")
+        if not (self.expert_offset >= 0 and self.expert_offset + self.num_local <= E):
+            raise ValueError(
+                f"local experts [{expert_offset}, {expert_offset}+{self.num_local}) exceed "
+                f"num_experts={E}; fix num_local/expert_offset"
+            )
         Im, l = config.moe_intermediate_size, config.routed_expert_hidden_size
         self.beta1 = float(config.activation_situ_beta)
         self.beta2 = float(config.activation_situ_linear_beta)
@@ -282,7 +293,7 @@ class LatentExperts(nn.Module):
         plus j: the same weights whichever experts this rank holds (expert parallelism, sharded construction)."""
         if self.w1.is_meta:
             return
-        base = int(torch.randint(0, 2 ** 62, (), dtype=torch.int64))
+        base = int(torch.randint(0, 2**62, (), dtype=torch.int64))
         gen = torch.Generator(device=self.w1.device)
         for j in range(self.num_local):
             gen.manual_seed(base + self.expert_offset + j)
@@ -293,8 +304,10 @@ class LatentExperts(nn.Module):
         """Run local expert e on the counts_E[e] consecutive rows of z_ML: [M, l] -> [M, l] (M = sum counts)."""
         counts = counts_E.tolist() if isinstance(counts_E, torch.Tensor) else list(counts_E)
         if len(counts) != self.num_local or sum(counts) != z_ML.shape[0]:
-            raise ValueError(f"counts_E must have {self.num_local} entries summing to {z_ML.shape[0]} rows; "
-                             f"got {len(counts)} summing to {sum(counts)}")
+            raise ValueError(
+                f"counts_E must have {self.num_local} entries summing to {z_ML.shape[0]} rows; "
+                f"got {len(counts)} summing to {sum(counts)}"
+            )
         return _GroupedExperts.apply(z_ML.contiguous(), self.w1, self.w3, self.w2, counts, self.beta1, self.beta2)
 
     def expert(self, j: int, z_NL: torch.Tensor) -> torch.Tensor:
@@ -303,5 +316,7 @@ class LatentExperts(nn.Module):
         return a @ self.w2[j].t()
 
     def extra_repr(self) -> str:
-        return (f"num_local={self.num_local}, expert_offset={self.expert_offset}, "
-                f"w1={tuple(self.w1.shape)}, w2={tuple(self.w2.shape)}")
+        return (
+            f"num_local={self.num_local}, expert_offset={self.expert_offset}, "
+            f"w1={tuple(self.w1.shape)}, w2={tuple(self.w2.shape)}"
+        )

@@ -10,6 +10,7 @@ default, an expert-parallel all-to-all one under training. In training mode the 
 statistics (`RouterStats.balance`, from `balancer.observe`); the trainer reduces a step's statistics and calls
 `balancer.update(global_stats)` once per optimizer step (model/moe/balance.py).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -60,8 +61,11 @@ class LatentMoE(nn.Module):
         self.init_std = config.initializer_range
         self.gate = Router(config)
         self.experts = LatentExperts(config)
-        self.shared_experts = (SiTUGLU(d, config.num_shared_experts * config.moe_intermediate_size, config)
-                               if config.num_shared_experts > 0 else None)
+        self.shared_experts = (
+            SiTUGLU(d, config.num_shared_experts * config.moe_intermediate_size, config)
+            if config.num_shared_experts > 0
+            else None
+        )
         self.routed_expert_down_proj = nn.Linear(d, l, bias=False)
         self.routed_expert_up_proj = nn.Linear(l, d, bias=False)
         self.routed_expert_norm = RMSNorm(l, config.rms_norm_eps) if config.latent_moe_use_norm else None

@@ -8,6 +8,7 @@ computes and the router is trained only through p. The bias is a persistent fp32
 Ties are broken deterministically towards the lower expert id (a stable descending sort), so routing is a pure
 function of the scores on every device and every expert-parallel layout.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -113,8 +114,15 @@ class Router(nn.Module):
 
     def forward(self, x_ND: torch.Tensor) -> Routing:
         s_NE = self.scores(x_ND)
-        idx_NK, w_NK = select_experts(s_NE, self.e_score_correction_bias, self.top_k, self.num_groups,
-                                      self.topk_group, self.renormalize, self.scaling)
+        idx_NK, w_NK = select_experts(
+            s_NE,
+            self.e_score_correction_bias,
+            self.top_k,
+            self.num_groups,
+            self.topk_group,
+            self.renormalize,
+            self.scaling,
+        )
         return Routing(s_NE, idx_NK, w_NK)
 
     def extra_repr(self) -> str:

@@ -1,4 +1,5 @@
 """Small synthetic corpora and one small tokenizer trained on them (session-scoped: trained once)."""
+
 from __future__ import annotations
 
 import json
@@ -10,9 +11,43 @@ import pytest
 from data import DataConfig, SourceConfig, train_tokenizer
 
 WORDS = (
-    "alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu", "nu",
-    "xi", "omicron", "pi", "rho", "sigma", "tau", "upsilon", "phi", "chi", "psi", "omega", "def", "return",
-    "class", "import", "self", "value", "index", "tokens", "batch", "état", "naïve", "数据", "🙂",
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "epsilon",
+    "zeta",
+    "eta",
+    "theta",
+    "iota",
+    "kappa",
+    "lambda",
+    "mu",
+    "nu",
+    "xi",
+    "omicron",
+    "pi",
+    "rho",
+    "sigma",
+    "tau",
+    "upsilon",
+    "phi",
+    "chi",
+    "psi",
+    "omega",
+    "def",
+    "return",
+    "class",
+    "import",
+    "self",
+    "value",
+    "index",
+    "tokens",
+    "batch",
+    "état",
+    "naïve",
+    "数据",
+    "🙂",
 )
 
 
@@ -60,10 +95,17 @@ def small_tokenizer(corpus_dir, tmp_path_factory):
 
 
 # -- tiktoken / chat ---------------------------------------------------------------------------------------------
-MIXED = ["Hello, world! Naïve café — déjà vu.", "数据科学和机器学习 中文English混合 北京市 Pascal",
-         "def f(x):\n    return x ** 2  # square\n\n\n\tif x:\n\t\tpass", "emoji 🙂🚀👍🏽 and 🇫🇷 flags",
-         "    four spaces\n\n\n   \t  mixed   whitespace runs   ", "1234567890 3.14159 1e-9",
-         "こんにちは世界 한국어 текст عربى", "a\x00b\x01c", ""]
+MIXED = [
+    "Hello, world! Naïve café — déjà vu.",
+    "数据科学和机器学习 中文English混合 北京市 Pascal",
+    "def f(x):\n    return x ** 2  # square\n\n\n\tif x:\n\t\tpass",
+    "emoji 🙂🚀👍🏽 and 🇫🇷 flags",
+    "    four spaces\n\n\n   \t  mixed   whitespace runs   ",
+    "1234567890 3.14159 1e-9",
+    "こんにちは世界 한국어 текст عربى",
+    "a\x00b\x01c",
+    "",
+]
 
 
 @pytest.fixture(scope="session")
@@ -91,9 +133,13 @@ def tiktoken_dir(tmp_path_factory, corpus_dir, chat_file) -> Path:
 
     d = tmp_path_factory.mktemp("tiktoken")
     write_jsonl(d.parent / "mixed.jsonl", MIXED[:-1] * 20)
-    cfg = DataConfig(sources=[SourceConfig(type="jsonl", path=str(corpus_dir / "big.jsonl")),
-                              SourceConfig(type="jsonl", path=str(chat_file), format="chat"),
-                              SourceConfig(type="jsonl", path=str(d.parent / "mixed.jsonl"))])
+    cfg = DataConfig(
+        sources=[
+            SourceConfig(type="jsonl", path=str(corpus_dir / "big.jsonl")),
+            SourceConfig(type="jsonl", path=str(chat_file), format="chat"),
+            SourceConfig(type="jsonl", path=str(d.parent / "mixed.jsonl")),
+        ]
+    )
     build_tiktoken_dir(d / "tok", 1024, cfg, max_chars=200_000)
     return d / "tok"
 

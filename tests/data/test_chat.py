@@ -1,4 +1,5 @@
 """Conversations -> ids + loss mask: K3's format natively and through jinja2, exact assistant spans, no injection."""
+
 from __future__ import annotations
 
 import random
@@ -11,7 +12,7 @@ from data import DataError
 from data.chat import ChatRowError, K3Renderer, TemplateRenderer, encode_conversations, normalize_messages, renderer_for
 from data.k3_format import K3_CHAT_TEMPLATE, MARKERS
 
-PIECES = ["hello", "数据", " 🙂", "  spaced  ", "\n\n", "a \"quote\" & amp", "<|open|>", "<|end_of_msg|>", "x=1;"]
+PIECES = ["hello", "数据", " 🙂", "  spaced  ", "\n\n", 'a "quote" & amp', "<|open|>", "<|end_of_msg|>", "x=1;"]
 
 
 def random_conversation(rng: random.Random, markers_in_text: bool = True) -> list[dict]:
@@ -69,24 +70,29 @@ def test_the_label_mask_covers_exactly_the_assistant_spans(tik):
     tail = "<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>"
     for _ in range(200):
         msgs = random_conversation(rng)
-        (ids, mask), = encode_conversations(tik, [r.render(msgs)])
+        ((ids, mask),) = encode_conversations(tik, [r.render(msgs)])
         assert tik.decode(ids) == r.text(msgs)
         turns = [m for m in msgs if m["role"] == "assistant"]
         runs = _runs(mask)
         assert [tik.decode(ids[a:b]) for a, b in runs] == [m["content"] + tail for m in turns]
-        headers = [r.text([m])[:-len(m["content"] + tail)] for m in turns]
+        headers = [r.text([m])[: -len(m["content"] + tail)] for m in turns]
         assert all(h.endswith("<|open|>response<|sep|>") for h in headers)
         assert all(tik.decode(ids[:a]).endswith(h) for (a, _), h in zip(runs, headers))
-        prompt = "".join(r.text([m]) if m["role"] != "assistant" else r.text([m])[:-len(m["content"] + tail)]
-                         for m in msgs)
+        prompt = "".join(
+            r.text([m]) if m["role"] != "assistant" else r.text([m])[: -len(m["content"] + tail)] for m in msgs
+        )
         assert tik.decode(ids[~mask]) == prompt
 
 
 def test_marker_text_in_message_content_never_becomes_a_control_token(tik):
     r = renderer_for(tik)
-    msgs = normalize_messages([{"role": "user", "content": "".join(MARKERS) * 3},
-                               {"role": "assistant", "content": "<|open|>message role=\"system\"<|sep|>"}])
-    (ids, _), = encode_conversations(tik, [r.render(msgs)])
+    msgs = normalize_messages(
+        [
+            {"role": "user", "content": "".join(MARKERS) * 3},
+            {"role": "assistant", "content": '<|open|>message role="system"<|sep|>'},
+        ]
+    )
+    ((ids, _),) = encode_conversations(tik, [r.render(msgs)])
     structural = sum(t in MARKERS for t, control, _ in r.render(msgs) if control)
     assert int(np.isin(ids, [tik.token_to_id(m) for m in MARKERS]).sum()) == structural == 14
     assert tik.decode(ids) == r.text(msgs)
@@ -94,15 +100,23 @@ def test_marker_text_in_message_content_never_becomes_a_control_token(tik):
 
 def test_loss_on_all_marks_every_token(tik):
     msgs = random_conversation(random.Random(3))
-    (ids, mask), = encode_conversations(tik, [renderer_for(tik).render(msgs)], loss_on="all")
+    ((ids, mask),) = encode_conversations(tik, [renderer_for(tik).render(msgs)], loss_on="all")
     assert mask.all() and len(ids) > 10
 
 
-@pytest.mark.parametrize("rows, kind", [
-    (None, "no_messages"), ([], "no_messages"), ("hi", "no_messages"),
-    ([{"role": "user"}], "bad_message"), ([{"content": "x"}], "bad_message"), (["x"], "bad_message"),
-    ([{"role": "user", "content": 3}], "bad_message"), ([{"role": "tool", "content": "x"}], "unknown_role"),
-])
+@pytest.mark.parametrize(
+    "rows, kind",
+    [
+        (None, "no_messages"),
+        ([], "no_messages"),
+        ("hi", "no_messages"),
+        ([{"role": "user"}], "bad_message"),
+        ([{"content": "x"}], "bad_message"),
+        (["x"], "bad_message"),
+        ([{"role": "user", "content": 3}], "bad_message"),
+        ([{"role": "tool", "content": "x"}], "unknown_role"),
+    ],
+)
 def test_bad_conversations_are_rejected_with_their_kind(rows, kind):
     with pytest.raises(ChatRowError) as e:
         normalize_messages(rows)
@@ -110,8 +124,11 @@ def test_bad_conversations_are_rejected_with_their_kind(rows, kind):
 
 
 def test_a_failing_or_content_changing_template_is_a_template_error(tik):
-    raising = TemplateRenderer("{% if messages[0].role != 'system' %}{{ raise_exception('system first') }}"
-                               "{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}", [])
+    raising = TemplateRenderer(
+        "{% if messages[0].role != 'system' %}{{ raise_exception('system first') }}"
+        "{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}",
+        [],
+    )
     trimming = TemplateRenderer("{% for m in messages %}[{{ m.content | trim }}]{% endfor %}", [])
     msgs = normalize_messages([{"role": "user", "content": " padded "}, {"role": "assistant", "content": "ok"}])
     for r in (raising, trimming):
@@ -121,11 +138,13 @@ def test_a_failing_or_content_changing_template_is_a_template_error(tik):
 
 
 def test_hf_style_template_uses_the_tokenizers_special_tokens(tik):
-    tpl = ("{{ bos_token }}{% for m in messages %}[BOS]{{ m.role }}: {{ m.content }}{% if m.role == 'assistant' %}"
-           "{{ eos_token }}{% endif %}\n{% endfor %}{% if add_generation_prompt %}[BOS]assistant: {% endif %}")
+    tpl = (
+        "{{ bos_token }}{% for m in messages %}[BOS]{{ m.role }}: {{ m.content }}{% if m.role == 'assistant' %}"
+        "{{ eos_token }}{% endif %}\n{% endfor %}{% if add_generation_prompt %}[BOS]assistant: {% endif %}"
+    )
     r = TemplateRenderer(tpl, list(tik.special_tokens), "[BOS]", "<|end_of_msg|>")
     msgs = normalize_messages([{"role": "user", "content": "[BOS] hi"}, {"role": "assistant", "content": "yo"}])
-    (ids, mask), = encode_conversations(tik, [r.render(msgs)])
+    ((ids, mask),) = encode_conversations(tik, [r.render(msgs)])
     assert ids.tolist().count(tik.bos_id) == 3  # template's, not the one in user text
     assert tik.decode(ids[mask]) == "yo<|end_of_msg|>"  # trim_blocks ate the newline after endif, as in HF
 

@@ -1,4 +1,5 @@
 """Chat sources in the global-batch loader: labels from the loss mask, exact resume, layout invariance, bad rows."""
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,10 @@ def take(loader, n: int) -> list[dict]:
 
 
 def keyed(batches: list[dict]) -> list[tuple]:
-    return [(b["step"], b["micro"], b["input_ids"].tolist(), b["labels"].tolist(), b["cu_seqlens"].tolist())
-            for b in batches]
+    return [
+        (b["step"], b["micro"], b["input_ids"].tolist(), b["labels"].tolist(), b["cu_seqlens"].tolist())
+        for b in batches
+    ]
 
 
 def test_chat_batches_keep_the_keys_and_labels_are_ids_or_ignore(chat_file, corpus_dir, tik):
@@ -113,9 +116,11 @@ def test_dp2_ga1_and_dp1_ga2_see_the_same_global_rows_with_chat_sources(chat_fil
 
 
 def write_bad_chat(path, rows) -> dict:
-    bad = {"no_messages": [{"text": "x"}, {"messages": []}],
-           "bad_message": [{"messages": [{"role": "user"}]}, {"messages": [{"content": "hi"}]}],
-           "unknown_role": [{"messages": [{"role": "wizard", "content": "hi"}]}]}
+    bad = {
+        "no_messages": [{"text": "x"}, {"messages": []}],
+        "bad_message": [{"messages": [{"role": "user"}]}, {"messages": [{"content": "hi"}]}],
+        "unknown_role": [{"messages": [{"role": "wizard", "content": "hi"}]}],
+    }
     lines = [json.dumps({"messages": m}) for m in rows]
     for i, rec in enumerate(r for rs in bad.values() for r in rs):
         lines.insert(5 + 9 * i, json.dumps(rec))
@@ -126,8 +131,12 @@ def write_bad_chat(path, rows) -> dict:
 
 def test_bad_rows_are_skipped_counted_per_source_and_reported_once_per_kind(tmp_path, chat_rows, tik, caplog):
     counts = write_bad_chat(tmp_path / "dialogues.jsonl", chat_rows[:60])
-    cfg = DataConfig(sources=[SourceConfig(type="jsonl", path=str(tmp_path / "dialogues.jsonl"), format="chat")],
-                     shuffle_buffer=0, num_workers=0, max_bad_fraction=0.2)
+    cfg = DataConfig(
+        sources=[SourceConfig(type="jsonl", path=str(tmp_path / "dialogues.jsonl"), format="chat")],
+        shuffle_buffer=0,
+        num_workers=0,
+        max_bad_fraction=0.2,
+    )
     loader = GlobalBatchLoader(cfg, tik, T, 2, 2)
     with caplog.at_level(logging.WARNING, logger="data"):
         take(loader, 40)  # more than one epoch: every bad row is met at least twice
@@ -141,8 +150,11 @@ def test_bad_rows_are_skipped_counted_per_source_and_reported_once_per_kind(tmp_
 
 def test_too_many_bad_rows_stop_with_one_line_naming_the_source(tmp_path, chat_rows, tik):
     write_bad_chat(tmp_path / "d.jsonl", chat_rows[:20])
-    cfg = DataConfig(sources=[SourceConfig(type="jsonl", path=str(tmp_path / "d.jsonl"), format="chat")],
-                     shuffle_buffer=0, num_workers=0)
+    cfg = DataConfig(
+        sources=[SourceConfig(type="jsonl", path=str(tmp_path / "d.jsonl"), format="chat")],
+        shuffle_buffer=0,
+        num_workers=0,
+    )
     with pytest.raises(DataError, match=r"sources\[0\] jsonl:.*records skipped.*max_bad_fraction") as e:
         take(GlobalBatchLoader(cfg, tik, T, 2, 2), 30)
     assert "\n" not in str(e.value)
@@ -153,8 +165,9 @@ def test_long_conversations_are_truncated_or_dropped_and_counted(chat_file, chat
     from data.chat import encode_conversations, normalize_messages, renderer_for
 
     r = renderer_for(tik)
-    lengths = [len(ids) for ids, _ in encode_conversations(tik, [r.render(normalize_messages(m))
-                                                                 for m in chat_rows])]  # file order
+    lengths = [
+        len(ids) for ids, _ in encode_conversations(tik, [r.render(normalize_messages(m)) for m in chat_rows])
+    ]  # file order
     short = sorted(lengths)[len(lengths) // 2]  # half the dialogues are longer
     cfg = chat_cfg(chat_file, corpus_dir, only_chat=True, long_conversations=policy, shuffle_buffer=0)
     loader = GlobalBatchLoader(cfg, tik, short, 4, 4)
@@ -170,8 +183,7 @@ def test_long_conversations_are_truncated_or_dropped_and_counted(chat_file, chat
         assert all(t == tik.token_to_id("<|end_of_msg|>") for t in last)
 
 
-def test_a_source_whose_conversations_are_all_too_long_stops_with_one_line(chat_file, corpus_dir, tik,
-                                                                          monkeypatch):
+def test_a_source_whose_conversations_are_all_too_long_stops_with_one_line(chat_file, corpus_dir, tik, monkeypatch):
     monkeypatch.setattr("data.packing._MAX_DROPPED_IN_A_ROW", 50)  # the mechanism, without 5 epochs of reading
     cfg = chat_cfg(chat_file, corpus_dir, only_chat=True, long_conversations="drop", shuffle_buffer=0)
     with pytest.raises(DataError, match="50 conversations in a row are longer than seq_len=8"):
@@ -190,8 +202,11 @@ def test_parquet_without_the_text_field_is_one_line_data_error(tmp_path, tik):
 
     pq.write_table(pa.table({"content": [f"doc {i}" for i in range(10)]}), tmp_path / "x.parquet")
     cfg = DataConfig(sources=[SourceConfig(type="parquet", path=str(tmp_path / "x.parquet"))], num_workers=0)
-    with pytest.raises(DataError, match=r"has no column 'text' \(columns: content\): set data.sources\[0\]"
-                                        r".text_field") as e:
+    with pytest.raises(
+        DataError,
+        match=r"has no column 'text' \(columns: content\): set data.sources\[0\]"
+        r".text_field",
+    ) as e:
         take(GlobalBatchLoader(cfg, tik, T, 2, 2), 1)
     assert "\n" not in str(e.value)
 
@@ -200,16 +215,18 @@ def test_mostly_malformed_jsonl_is_reported_as_malformed_data_not_a_vocabulary_f
     rng = np.random.default_rng(0)
     lines = ["not json" if rng.random() < 0.3 else json.dumps({"text": d}) for d in h.make_docs(300, 5)]
     (tmp_path / "bad.jsonl").write_text("\n".join(lines) + "\n")
-    cfg = DataConfig(sources=[SourceConfig(type="jsonl", path=str(tmp_path / "bad.jsonl"))],
-                     cache_dir=str(tmp_path / "cache"))
+    cfg = DataConfig(
+        sources=[SourceConfig(type="jsonl", path=str(tmp_path / "bad.jsonl"))], cache_dir=str(tmp_path / "cache")
+    )
     with pytest.raises(DataError, match=r"records skipped \(\{'malformed_json': \d+\}\) > max_bad_fraction") as e:
         prepare_tokenizer(cfg)
     assert "sentencepiece" not in str(e.value) and "vocab" not in str(e.value)
 
 
 def test_tiktoken_type_without_model_path_is_trained_once_and_cached(tmp_path, corpus_dir):
-    cfg = DataConfig(sources=[SourceConfig(type="jsonl", path=str(corpus_dir / "small.jsonl"))],
-                     cache_dir=str(tmp_path))
+    cfg = DataConfig(
+        sources=[SourceConfig(type="jsonl", path=str(corpus_dir / "small.jsonl"))], cache_dir=str(tmp_path)
+    )
     cfg.tokenizer.type, cfg.tokenizer.vocab_size = "tiktoken", 600
     first = prepare_tokenizer(cfg)
     again = prepare_tokenizer(cfg)

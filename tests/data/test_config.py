@@ -1,4 +1,5 @@
 """DataConfig: usable as a Hydra/OmegaConf structured group, validated with one-line errors."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,8 +17,14 @@ def test_default_config_is_the_embedded_no_network_setup():
 
 def test_config_round_trips_through_omegaconf_structured_and_dictconfig():
     structured = OmegaConf.structured(DataConfig)
-    merged = OmegaConf.merge(structured, {"sources": [{"type": "jsonl", "path": "x.jsonl", "weight": 2.0}],
-                                          "shuffle_buffer": 7, "tokenizer": {"vocab_size": 512}})
+    merged = OmegaConf.merge(
+        structured,
+        {
+            "sources": [{"type": "jsonl", "path": "x.jsonl", "weight": 2.0}],
+            "shuffle_buffer": 7,
+            "tokenizer": {"vocab_size": 512},
+        },
+    )
     cfg = coerce_config(merged)
     assert isinstance(cfg, DataConfig) and isinstance(cfg.sources[0], SourceConfig)
     assert (cfg.sources[0].weight, cfg.shuffle_buffer, cfg.tokenizer.vocab_size) == (2.0, 7, 512)
@@ -29,16 +36,19 @@ def test_worker_settings_do_not_change_the_stream_identity():
     assert stream_dict(DataConfig(shuffle_buffer=3)) != stream_dict(DataConfig())
 
 
-@pytest.mark.parametrize("kw,match", [
-    ({"sources": []}, "data.sources is empty"),
-    ({"sources": [SourceConfig(type="csv", path="a")]}, r"sources\[0\].type='csv'"),
-    ({"sources": [SourceConfig(type="jsonl", path="")]}, r"sources\[0\].path is empty"),
-    ({"sources": [SourceConfig(type="jsonl", path="a", weight=0)]}, r"weight=0 must be > 0"),
-    ({"exhaustion": "forever"}, "data.exhaustion='forever'"),
-    ({"packing": "best"}, "data.packing='best'"),
-    ({"max_bad_fraction": 2.0}, "max_bad_fraction=2.0"),
-    ({"num_workers": 4}, "num_workers=4"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"sources": []}, "data.sources is empty"),
+        ({"sources": [SourceConfig(type="csv", path="a")]}, r"sources\[0\].type='csv'"),
+        ({"sources": [SourceConfig(type="jsonl", path="")]}, r"sources\[0\].path is empty"),
+        ({"sources": [SourceConfig(type="jsonl", path="a", weight=0)]}, r"weight=0 must be > 0"),
+        ({"exhaustion": "forever"}, "data.exhaustion='forever'"),
+        ({"packing": "best"}, "data.packing='best'"),
+        ({"max_bad_fraction": 2.0}, "max_bad_fraction=2.0"),
+        ({"num_workers": 4}, "num_workers=4"),
+    ],
+)
 def test_invalid_settings_are_one_line_errors_naming_the_key(kw, match):
     with pytest.raises(DataError, match=match) as e:
         coerce_config(DataConfig(**kw))
@@ -53,8 +63,13 @@ def test_unknown_key_is_an_error():
 def test_source_names_are_metric_safe_unique_stems_and_explicit_duplicates_fail():
     from data.config import source_names
 
-    srcs = [SourceConfig(type="jsonl", path="data/*.jsonl"), SourceConfig(type="hub", path="org/my.ds"),
-            SourceConfig(), SourceConfig(type="jsonl", path="a/b.jsonl"), SourceConfig(type="jsonl", path="c/b.jsonl")]
+    srcs = [
+        SourceConfig(type="jsonl", path="data/*.jsonl"),
+        SourceConfig(type="hub", path="org/my.ds"),
+        SourceConfig(),
+        SourceConfig(type="jsonl", path="a/b.jsonl"),
+        SourceConfig(type="jsonl", path="c/b.jsonl"),
+    ]
     assert source_names(DataConfig(sources=srcs)) == ["data", "my", "embedded", "b", "b4"]
     with pytest.raises(DataError, match="names .* are not unique"):
         coerce_config(DataConfig(sources=[SourceConfig(name="x"), SourceConfig(name="x")]))

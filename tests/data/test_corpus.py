@@ -1,4 +1,5 @@
 """Embedded default corpus: deterministic selection from the standard library, cached, valid JSON Lines."""
+
 from __future__ import annotations
 
 import json
@@ -7,10 +8,18 @@ from data import corpus
 
 
 def make_fake_stdlib(root):
-    files = {"b.py": "x = 1\n" * 20, "a.py": '"""Docstring."""\n' * 10, "pkg/__init__.py": "",
-             "pkg/mod.py": "def f():\n    return 'é'\n" * 5, "test/test_a.py": "assert 1\n" * 30,
-             "pkg/tests/t.py": "assert 2\n" * 30, "site-packages/numpy/x.py": "import os\n" * 20,
-             "encodings/cp1.py": "table = 1\n" * 20, "latin.py": None, "notes.txt": "not python " * 20}
+    files = {
+        "b.py": "x = 1\n" * 20,
+        "a.py": '"""Docstring."""\n' * 10,
+        "pkg/__init__.py": "",
+        "pkg/mod.py": "def f():\n    return 'é'\n" * 5,
+        "test/test_a.py": "assert 1\n" * 30,
+        "pkg/tests/t.py": "assert 2\n" * 30,
+        "site-packages/numpy/x.py": "import os\n" * 20,
+        "encodings/cp1.py": "table = 1\n" * 20,
+        "latin.py": None,
+        "notes.txt": "not python " * 20,
+    }
     for rel, text in files.items():
         p = root / rel
         p.parent.mkdir(parents=True, exist_ok=True)

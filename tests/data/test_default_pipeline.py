@@ -1,4 +1,5 @@
 """The no-network default: embedded stdlib corpus + its cached 4096-piece tokenizer -> real-text batches."""
+
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
 """atomic_write / atomic_dir: a reader sees the old content or the new one, never a torn file; no temp left over."""
+
 from __future__ import annotations
 
 import pytest

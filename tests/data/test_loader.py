@@ -1,4 +1,5 @@
 """GlobalBatchLoader: determinism, layout-invariant sharding, exact resume, fingerprint, validation, stats."""
+
 from __future__ import annotations
 
 import json
@@ -45,7 +46,8 @@ def same(a: list[dict], b: list[dict]) -> bool:
     keys = ("input_ids", "labels", "cu_seqlens")
     return len(a) == len(b) and all(
         x["step"] == y["step"] and x["micro"] == y["micro"] and all(torch.equal(x[k], y[k]) for k in keys)
-        for x, y in zip(a, b))
+        for x, y in zip(a, b)
+    )
 
 
 def resumed(cfg, tok, state: dict, n: int, **kw) -> tuple[list[dict], dict]:
@@ -80,7 +82,7 @@ def test_rank_shares_of_a_step_are_fixed_contiguous_blocks(cfg, small_tokenizer)
     for r in range(4):
         mine = make(cfg, small_tokenizer, G=8, b=1, rank=r, W=4)
         got = torch.cat([mb["input_ids"] for mb in take(mine, 2)])
-        assert torch.equal(got, full[2 * r:2 * r + 2])
+        assert torch.equal(got, full[2 * r : 2 * r + 2])
 
 
 def test_micro_batches_carry_step_and_micro_index(cfg, small_tokenizer):
@@ -141,13 +143,13 @@ def test_shuffle_permutes_documents_within_windows_only(h, corpus_dir, small_tok
     docs, cur = [], []
     for t in tokens:
         if t == small_tokenizer.eos_id:
-            docs.append(int(small_tokenizer.decode(cur).split()[0][len("big"):]))  # documents start "big<i>"
+            docs.append(int(small_tokenizer.decode(cur).split()[0][len("big") :]))  # documents start "big<i>"
             cur = []
         else:
             cur.append(t)
     assert len(docs) >= 128 and docs[:128] != list(range(128))
     for w in range(len(docs) // 64):
-        assert sorted(docs[64 * w:64 * (w + 1)]) == list(range(64 * w, 64 * (w + 1)))
+        assert sorted(docs[64 * w : 64 * (w + 1)]) == list(range(64 * w, 64 * (w + 1)))
 
 
 def test_world_size_change_at_step_boundary_resplits_exactly(cfg, small_tokenizer):

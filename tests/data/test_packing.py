@@ -3,6 +3,7 @@
 Reference: the documents of the corpus in file order (no shuffle, exhaustion stop), tokenized one by one and
 concatenated with eos, cut by a plain list-based loop.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -51,7 +52,7 @@ def test_concat_rows_are_the_token_stream_no_token_lost_or_duplicated(h, stop_cf
     stream = [t for d in reference_docs(h, small_tokenizer) for t in d]
     got = flat(batches)
     assert len(got) == len(stream) // (4 * T) * (4 * T)  # only the incomplete last step is dropped
-    assert got == stream[:len(got)]
+    assert got == stream[: len(got)]
 
 
 def test_cu_seqlens_mark_every_row_start_and_document_start(h, stop_cfg, small_tokenizer):
@@ -82,8 +83,8 @@ def test_pad_mode_matches_greedy_reference_and_never_splits_short_docs(h, stop_c
     batches = all_batches(loader)
     ref = reference_pad_rows(reference_docs(h, small_tokenizer), small_tokenizer.pad_id)
     rows = [r for b in batches for r in b["input_ids"].tolist()]
-    assert rows == [r for r, _ in ref[:len(rows)]]
-    valid = sum(n for _, n in ref[:len(rows)])
+    assert rows == [r for r, _ in ref[: len(rows)]]
+    valid = sum(n for _, n in ref[: len(rows)])
     assert sum(b["num_tokens"] for b in batches) == valid
     assert loader.stats()["packing_efficiency"] == pytest.approx(valid / (len(rows) * T))
     assert 0.5 < loader.stats()["packing_efficiency"] < 1.0
@@ -104,4 +105,4 @@ def test_bos_is_prepended_to_every_document_when_configured(h, stop_cfg, small_t
     stop_cfg.add_bos = True
     got = flat(all_batches(GlobalBatchLoader(stop_cfg, small_tokenizer, T, 4, 4)))
     stream = [t for d in reference_docs(h, small_tokenizer) for t in [small_tokenizer.bos_id] + d]
-    assert got == stream[:len(got)] and len(got) > 0
+    assert got == stream[: len(got)] and len(got) > 0

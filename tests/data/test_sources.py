@@ -1,4 +1,5 @@
 """Sources: file resolution, formats, bad input (skipped + counted, or a one-line error), exact positions."""
+
 from __future__ import annotations
 
 import json
@@ -49,10 +50,18 @@ def test_directory_and_glob_read_all_files_in_sorted_order(h, tmp_path):
 
 def test_bad_records_are_skipped_and_counted_by_reason(tmp_path):
     path = tmp_path / "mixed.jsonl"
-    lines = [json.dumps({"text": "good one"}).encode(), b"{not json", b"", b"   ",
-             json.dumps({"other": "no text field"}).encode(), json.dumps({"text": 7}).encode(),
-             b'{"text": "bad \xff\xfe bytes"}', json.dumps({"text": "  "}).encode(), b"[1, 2]",
-             json.dumps({"text": "good two \u00e9"}, ensure_ascii=False).encode()]
+    lines = [
+        json.dumps({"text": "good one"}).encode(),
+        b"{not json",
+        b"",
+        b"   ",
+        json.dumps({"other": "no text field"}).encode(),
+        json.dumps({"text": 7}).encode(),
+        b'{"text": "bad \xff\xfe bytes"}',
+        json.dumps({"text": "  "}).encode(),
+        b"[1, 2]",
+        json.dumps({"text": "good two \u00e9"}, ensure_ascii=False).encode(),
+    ]
     path.write_bytes(b"\n".join(lines) + b"\n")
     stream = SourceStream(SourceConfig(type="jsonl", path=str(path)), 0, max_bad_fraction=1.0)
     assert read_epoch(stream) == ["good one", "good two \u00e9"]

@@ -1,4 +1,5 @@
 """Tokenizer: lossless round trip, special ids, save/load, training determinism, caching, CLI."""
+
 from __future__ import annotations
 
 import pytest
@@ -6,8 +7,14 @@ import pytest
 from data import DataError, Tokenizer, prepare_tokenizer, train_tokenizer
 from data.tokenizer import main as tokenizer_cli
 
-TEXTS = ["def f(x):\n    return x  # naïve état 数据 🙂\n\n\tdone", "  leading and trailing  ", "a\r\nb",
-         "ü" * 3, "unseen glyphs: ∮ ⊕ 𝔘 ✈", "x"]
+TEXTS = [
+    "def f(x):\n    return x  # naïve état 数据 🙂\n\n\tdone",
+    "  leading and trailing  ",
+    "a\r\nb",
+    "ü" * 3,
+    "unseen glyphs: ∮ ⊕ 𝔘 ✈",
+    "x",
+]
 
 
 def test_decode_encode_round_trip_is_lossless(small_tokenizer):
@@ -75,7 +82,18 @@ def test_vocab_too_large_for_corpus_is_a_one_line_error(h, corpus_dir, tmp_path)
 
 def test_cli_train_writes_a_loadable_model(corpus_dir, tmp_path, capsys):
     out = tmp_path / "cli.model"
-    tokenizer_cli(["train", "--out", str(out), "--vocab-size", "300", "--source-type", "jsonl",
-                   "--source-path", str(corpus_dir / "small.jsonl")])
+    tokenizer_cli(
+        [
+            "train",
+            "--out",
+            str(out),
+            "--vocab-size",
+            "300",
+            "--source-type",
+            "jsonl",
+            "--source-path",
+            str(corpus_dir / "small.jsonl"),
+        ]
+    )
     assert "vocab 300" in capsys.readouterr().out
     assert Tokenizer.load(out).vocab_size == 300

@@ -3,6 +3,7 @@
 Each run gets its own run_dir and master port; results come back as a `RunResult` with metrics.jsonl parsed.
 Runs are expensive (launcher start-up ~5 s), so tests share them through module-scoped fixtures.
 """
+
 from __future__ import annotations
 
 import json
@@ -50,17 +51,31 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
-    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", WANDB_MODE="offline", HF_DATASETS_OFFLINE="1",
-               HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", WANDB_SILENT="true",
-               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p))
+    env.update(
+        DS_ACCELERATOR="cpu",
+        OMP_NUM_THREADS="1",
+        WANDB_MODE="offline",
+        HF_DATASETS_OFFLINE="1",
+        HF_HUB_OFFLINE="1",
+        PYTHONUNBUFFERED="1",
+        WANDB_SILENT="true",
+        PYTHONPATH=os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p),
+    )
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
     env.update(extra or {})
     return env
 
 
-def run_training(run_dir: Path, overrides: list[str], nproc: int = 2, env: dict[str, str] | None = None,
-                 launcher: bool = True, timeout: int = 600, script: str = "training/train.py") -> RunResult:
+def run_training(
+    run_dir: Path,
+    overrides: list[str],
+    nproc: int = 2,
+    env: dict[str, str] | None = None,
+    launcher: bool = True,
+    timeout: int = 600,
+    script: str = "training/train.py",
+) -> RunResult:
     """One training job; `launcher=False` runs `python -m training.train` (a 1-rank gloo group); `script`: what
     the launcher starts (a test worker taking the same overrides).
 
@@ -70,8 +85,16 @@ def run_training(run_dir: Path, overrides: list[str], nproc: int = 2, env: dict[
     if any(k.startswith("K3_FAULT_") for k in (env or {})):
         args.append("callbacks=[tests.fault.injector.FaultInjector]")
     if launcher:
-        cmd = [str(BIN / "deepspeed"), "--no_local_rank", "--num_gpus", str(nproc), "--master_port",
-               str(free_port()), script, *args]
+        cmd = [
+            str(BIN / "deepspeed"),
+            "--no_local_rank",
+            "--num_gpus",
+            str(nproc),
+            "--master_port",
+            str(free_port()),
+            script,
+            *args,
+        ]
     else:
         cmd = [sys.executable, "-m", "training.train", *args]
     p = subprocess.run(cmd, cwd=REPO, env=job_env(env), capture_output=True, text=True, timeout=timeout)
@@ -100,8 +123,14 @@ def runs_root():
 
 # Shared by test_zero, test_resume and test_layouts: 2 ranks, ZeRO-2, DP=2 x GA=1, checkpoints every 3 steps.
 REF_STEPS = 6
-REF = [*TINY, "deepspeed=zero2", f"train.steps={REF_STEPS}", "checkpoint.every=3", "train.grad_accum=1",
-       "train.micro_batch_size=2"]
+REF = [
+    *TINY,
+    "deepspeed=zero2",
+    f"train.steps={REF_STEPS}",
+    "checkpoint.every=3",
+    "train.grad_accum=1",
+    "train.micro_batch_size=2",
+]
 
 
 @pytest.fixture(scope="session")

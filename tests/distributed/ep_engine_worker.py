@@ -6,6 +6,7 @@ Every rank builds the same model (seed 0) and the same global batches; rank r ta
 share. Writes <out_dir>/rank<r>.pt with per-step losses, router biases, global router counts and, for
 `save`/`load`, logits on a fixed probe batch from the gathered full model.
 """
+
 from __future__ import annotations
 
 import os
@@ -54,8 +55,16 @@ class MoELM(nn.Module):
 
 
 def config() -> K3Config:
-    return K3Config.preset("tiny", hidden_size=32, num_experts=8, num_experts_per_token=2, moe_intermediate_size=16,
-                           routed_expert_hidden_size=16, num_shared_experts=1, moe_balance="quantile")
+    return K3Config.preset(
+        "tiny",
+        hidden_size=32,
+        num_experts=8,
+        num_experts_per_token=2,
+        moe_intermediate_size=16,
+        routed_expert_hidden_size=16,
+        num_shared_experts=1,
+        moe_balance="quantile",
+    )
 
 
 def main() -> None:
@@ -77,9 +86,14 @@ def main() -> None:
     handle = parallelize(model, ep_size, zero_stage=2, expert_files=mode.startswith("load:") or ep_size > 1)
     groups = handle.param_groups(model, [{"params": list(model.parameters()), "weight_decay": 0.0}])
     opt = torch.optim.AdamW(groups, lr=1e-2, foreach=False)
-    ds = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": ga,
-          "train_batch_size": micro * ga * world, "gradient_clipping": float(os.environ.get("EP_TEST_CLIP", "0.05")),
-          "zero_optimization": {"stage": 2}, "steps_per_print": 10**9}
+    ds = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": ga,
+        "train_batch_size": micro * ga * world,
+        "gradient_clipping": float(os.environ.get("EP_TEST_CLIP", "0.05")),
+        "zero_optimization": {"stage": 2},
+        "steps_per_print": 10**9,
+    }
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds)
     reducer = handle.stats_reducer()
     if mode.startswith("load:"):
@@ -109,8 +123,12 @@ def main() -> None:
         counts.append(torch.stack([g.counts_E for g in global_stats]))
         apply(engine.module.moe_layers(), global_stats)
         biases.append(torch.stack([m.gate.e_score_correction_bias.clone() for m in engine.module.moe_layers()]))
-    result = {"losses": losses, "aux": auxes, "biases": torch.stack(biases) if biases else None,
-              "counts": torch.stack(counts) if counts else None}
+    result = {
+        "losses": losses,
+        "aux": auxes,
+        "biases": torch.stack(biases) if biases else None,
+        "counts": torch.stack(counts) if counts else None,
+    }
     if mode.startswith("load:"):
         result["same_layout"] = same
     if mode == "save":

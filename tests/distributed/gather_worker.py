@@ -6,6 +6,7 @@ model.init_from, to <run_dir>/gathered_start.pt (the sharded start's reference).
 
     deepspeed --no_local_rank --num_gpus 2 tests/distributed/gather_worker.py <overrides...>
 """
+
 from __future__ import annotations
 
 import os
@@ -29,8 +30,10 @@ def main() -> None:
         sizes = [None] * trainer.world
         torch.distributed.all_gather_object(sizes, trainer.ep.init_bytes_read)
         if trainer.info.is_main:
-            torch.save({"state": {k: v.detach().cpu() for k, v in state.items()}, "bytes_read": sizes},
-                       os.path.join(resolve_run_dir(cfg), "gathered_start.pt"))
+            torch.save(
+                {"state": {k: v.detach().cpu() for k, v in state.items()}, "bytes_read": sizes},
+                os.path.join(resolve_run_dir(cfg), "gathered_start.pt"),
+            )
     trainer.run()
     state = trainer.ep.full_state_dict(trainer.module)  # collective
     if trainer.info.is_main:

@@ -1,6 +1,7 @@
 """How training/parallelize.py presents the model's LatentMoE experts to DeepSpeed (in-process, no process group):
 as native MoE layers for ZeRO 0-2, as AutoEP layers for ZeRO-3; and which parameters ZeRO-3 must gather
 outside their module's forward."""
+
 from __future__ import annotations
 
 import re
@@ -16,8 +17,15 @@ from training.parallelize import AUTOEP_FAMILY, parallelize, present_as_autoep, 
 
 
 def _cfg(**kw) -> K3Config:
-    return K3Config.preset("tiny", hidden_size=32, num_experts=4, num_experts_per_token=2, moe_intermediate_size=8,
-                           routed_expert_hidden_size=8, **kw)
+    return K3Config.preset(
+        "tiny",
+        hidden_size=32,
+        num_experts=4,
+        num_experts_per_token=2,
+        moe_intermediate_size=8,
+        routed_expert_hidden_size=8,
+        **kw,
+    )
 
 
 class _OneMoE(torch.nn.Module):
@@ -97,7 +105,11 @@ def test_zero3_presentation_is_an_autoep_layer_with_deepspeeds_placement_tags():
     for w in ("w1", "w2", "w3"):
         p = getattr(moe.experts, w)
         assert (p.allreduce, p.group_name, p.ds_zero_placement_family, p.ds_zero_partition_group_name) == (
-            False, "ep_size_1", AUTOEP_FAMILY, "ep_size_1")
+            False,
+            "ep_size_1",
+            AUTOEP_FAMILY,
+            "ep_size_1",
+        )
         assert getattr(p, DS_AUTOEP_UC_META)[AUTOEP_PARAM_LOGICAL_SHAPE] == [4, *p.shape[1:]]
     assert not hasattr(moe.gate.weight, "ds_zero_placement_family")  # dense: partitioned over every rank
     y1, _ = moe(x)
@@ -125,8 +137,11 @@ def test_zero3_external_params_are_found_on_a_meta_model_as_on_a_real_one(monkey
     meta = _registrations(meta_model, monkeypatch)
     assert real == meta
     moe = "model.layers.1.block_sparse_moe"
-    assert {(moe, f"{moe}.experts.w1"), (moe, f"{moe}.gate.weight"),
-            ("model.layers.1", "model.layers.1.mlp_res_proj.weight")} <= real
+    assert {
+        (moe, f"{moe}.experts.w1"),
+        (moe, f"{moe}.gate.weight"),
+        ("model.layers.1", "model.layers.1.mlp_res_proj.weight"),
+    } <= real
 
 
 def test_ep_size_that_does_not_divide_the_experts_is_refused():

@@ -5,6 +5,7 @@ layer 1 by the auxiliary loss) trains 6 steps on the same global
 batches in three layouts -- EP=2 on 2 ranks, EP=1 DP=2 GA=1 on 2 ranks, EP=1 DP=1 GA=2 on 1 rank -- and the EP=2
 checkpoint is loaded at EP=1. Runs start concurrently (module fixture); each test checks one property.
 """
+
 from __future__ import annotations
 
 import glob
@@ -35,10 +36,26 @@ def _start(out: Path, nproc: int, *args: str) -> list[subprocess.Popen]:
     port = str(_free_port())
     procs = []
     for r in range(nproc):
-        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=port, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(out), *args], env=env, cwd=REPO,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env = dict(
+            os.environ,
+            RANK=str(r),
+            LOCAL_RANK=str(r),
+            WORLD_SIZE=str(nproc),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            OMP_NUM_THREADS="1",
+            DS_ACCELERATOR="cpu",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), str(out), *args],
+                env=env,
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     return procs
 
 
@@ -53,9 +70,11 @@ def _finish(out: Path, procs: list[subprocess.Popen]) -> list[dict]:
 def runs(tmp_path_factory) -> dict[str, list[dict]]:
     root = tmp_path_factory.mktemp("ep_engine")
     # args: ep_size micro_rows grad_accum steps [mode]
-    started = {"ep2": _start(root / "ep2", 2, "2", "2", "1", str(STEPS), "save"),
-               "dp2_ga1": _start(root / "dp2_ga1", 2, "1", "2", "1", str(STEPS)),
-               "dp1_ga2": _start(root / "dp1_ga2", 1, "1", "2", "2", str(STEPS))}
+    started = {
+        "ep2": _start(root / "ep2", 2, "2", "2", "1", str(STEPS), "save"),
+        "dp2_ga1": _start(root / "dp2_ga1", 2, "1", "2", "1", str(STEPS)),
+        "dp1_ga2": _start(root / "dp1_ga2", 1, "1", "2", "2", str(STEPS)),
+    }
     out = {name: _finish(root / name, procs) for name, procs in started.items()}
     ckpt = root / "ep2" / "ckpt"
     out["ep1_from_ep2"] = _finish(root / "load", _start(root / "load", 1, "1", "4", "1", "0", f"load:{ckpt}"))

@@ -6,6 +6,7 @@ Jobs (tiny_ci model, ZeRO-2, global batch 4 rows, 10 steps, checkpoints every 5)
   ep1_from_ep2  1 rank EP=1 resumed from ep2's step-5 checkpoint (per-expert files, EP=2 layout)
   ep2_from_ep1  2 ranks EP=2 resumed from ep1's step-5 checkpoint (plain stacked experts)
 """
+
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -37,10 +38,17 @@ def jobs(runs_root) -> dict[str, RunResult]:
         out = {"ep2": must_succeed(ep2.result()), "ep1": must_succeed(ep1.result()), "ep2_killed": kill.result()}
     with ThreadPoolExecutor(3) as pool:
         resumed = pool.submit(run_training, root / "ep2_kill", [*EP2, "checkpoint.resume=auto"], 2)
-        to_ep1 = pool.submit(run_training, root / "ep1_from_ep2",
-                             [*EP1, f"checkpoint.resume={_step_dir(out['ep2'], EVERY)}"], 1, None, False)
-        to_ep2 = pool.submit(run_training, root / "ep2_from_ep1",
-                             [*EP2, f"checkpoint.resume={_step_dir(out['ep1'], EVERY)}"], 2)
+        to_ep1 = pool.submit(
+            run_training,
+            root / "ep1_from_ep2",
+            [*EP1, f"checkpoint.resume={_step_dir(out['ep2'], EVERY)}"],
+            1,
+            None,
+            False,
+        )
+        to_ep2 = pool.submit(
+            run_training, root / "ep2_from_ep1", [*EP2, f"checkpoint.resume={_step_dir(out['ep1'], EVERY)}"], 2
+        )
         out.update(ep2_resumed=resumed.result(), ep1_from_ep2=to_ep1.result(), ep2_from_ep1=to_ep2.result())
     return out
 

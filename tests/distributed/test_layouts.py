@@ -1,4 +1,5 @@
 """The same global batch split as DP=2 x GA=1 (launcher) or DP=1 x GA=2 (one process) gives the same losses."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,8 +12,13 @@ pytestmark = pytest.mark.distributed
 @pytest.fixture(scope="module")
 def one_process_ga2(runs_root):
     over = [o for o in REF if not o.startswith(("train.grad_accum=", "checkpoint.every="))]
-    return must_succeed(run_training(runs_root / "dp1_ga2", [*over, "train.grad_accum=2", "checkpoint.every=0",
-                                                              "logging.mode=disabled"], launcher=False))
+    return must_succeed(
+        run_training(
+            runs_root / "dp1_ga2",
+            [*over, "train.grad_accum=2", "checkpoint.every=0", "logging.mode=disabled"],
+            launcher=False,
+        )
+    )
 
 
 def test_dp2_ga1_equals_dp1_ga2_losses(one_process_ga2, ref_run):

@@ -1,11 +1,12 @@
 """A job killed after step k and resumed with checkpoint.resume=auto reproduces the uninterrupted losses bitwise."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from tests.distributed.conftest import REF, REF_STEPS, RunResult, read_metrics, run_training
+from tests.distributed.conftest import REF, REF_STEPS, read_metrics, run_training
 
 pytestmark = pytest.mark.distributed
 KILL_AFTER = 4  # the last checkpoint before the kill is step 3, so step 4 is computed twice

@@ -1,4 +1,5 @@
 """2-rank ZeRO-1/2/3 jobs through the real deepspeed launcher; metrics, W&B offline run, HF export."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,18 @@ def zero_runs(runs_root):
     out = {}
     for stage in (1, 3):
         over = [o for o in REF if not o.startswith(("deepspeed=", "train.steps=", "checkpoint.every="))]
-        out[stage] = must_succeed(run_training(runs_root / f"zero{stage}", [
-            *over, f"deepspeed=zero{stage}", f"train.steps={SHORT}", "checkpoint.every=0", "logging.mode=disabled"]))
+        out[stage] = must_succeed(
+            run_training(
+                runs_root / f"zero{stage}",
+                [
+                    *over,
+                    f"deepspeed=zero{stage}",
+                    f"train.steps={SHORT}",
+                    "checkpoint.every=0",
+                    "logging.mode=disabled",
+                ],
+            )
+        )
     return out
 
 
@@ -51,8 +62,17 @@ def test_run_dir_holds_config_ds_json_tokenizer_and_checkpoints(ref_run):
 
 def test_metrics_jsonl_has_training_and_router_metrics(ref_run):
     rec = ref_run.metrics[-1]
-    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "router/maxvio", "router/load_cv",
-                "router/dead_frac"):
+    for key in (
+        "step",
+        "loss",
+        "lr",
+        "grad_norm",
+        "tokens_per_s",
+        "mfu",
+        "router/maxvio",
+        "router/load_cv",
+        "router/dead_frac",
+    ):
         assert key in rec, key
     assert any(k.startswith("router/layer1/") for k in rec)
     assert rec["grad_norm"] > 0 and rec["tokens_per_s"] > 0
@@ -95,8 +115,12 @@ def test_training_starts_from_an_hf_checkpoint(ref_run, runs_root):
 
     hf = export_checkpoint(str(ref_run.run_dir), str(runs_root / "ref_hf"))
     over = [o for o in REF if not o.startswith(("train.steps=", "checkpoint.every="))]
-    res = must_succeed(run_training(runs_root / "from_hf", [
-        *over, f"model.init_from={hf}", "train.steps=1", "checkpoint.save_final=false", "logging.mode=disabled"],
-        launcher=False))
+    res = must_succeed(
+        run_training(
+            runs_root / "from_hf",
+            [*over, f"model.init_from={hf}", "train.steps=1", "checkpoint.save_final=false", "logging.mode=disabled"],
+            launcher=False,
+        )
+    )
     # same first batch as the reference's step 1, but weights trained for REF_STEPS steps: a lower loss
     assert res.losses()[1] < ref_run.losses()[1] - 0.05

@@ -10,6 +10,7 @@ in two concurrent waves:
              size: DeepSpeed's universal checkpoint, optimizer moments included)
   offload    2 ranks deepspeed=zero3_offload parallel.ep_size=2, 3 steps (DeepSpeed CPU Adam; JIT-built once)
 """
+
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -58,26 +59,36 @@ def jobs(runs_root) -> dict[str, RunResult]:
     hf = _hf_checkpoint(root / "hf_init")
     init = [f"model.init_from={hf}"]
     with ThreadPoolExecutor(3) as pool:
-        ep2 = pool.submit(run_training, root / "z3ep2", [*Z3EP2, *init], 2, {"K3_GATHER_AT_START": "1"}, True, 600,
-                          GATHER)
+        ep2 = pool.submit(
+            run_training, root / "z3ep2", [*Z3EP2, *init], 2, {"K3_GATHER_AT_START": "1"}, True, 600, GATHER
+        )
         z0 = pool.submit(run_training, root / "z0", [*Z0, *init], 1, None, False)
-        kill = pool.submit(run_training, root / "z3ep2_kill", [*Z3EP2, *init], 2,
-                           {"K3_FAULT_KILL_AT_STEP": str(KILL_AT)})
+        kill = pool.submit(
+            run_training, root / "z3ep2_kill", [*Z3EP2, *init], 2, {"K3_FAULT_KILL_AT_STEP": str(KILL_AT)}
+        )
         out = {"z3ep2": must_succeed(ep2.result()), "z0": must_succeed(z0.result()), "killed": kill.result()}
     with ThreadPoolExecutor(3) as pool:
         resumed = pool.submit(run_training, root / "z3ep2_kill", [*Z3EP2, *init, "checkpoint.resume=auto"], 2)
-        w1 = pool.submit(run_training, root / "z3_w1",
-                         [*Z3W1, f"checkpoint.resume={_step_dir(out['z3ep2'], EVERY)}"], 1, None, False)
-        off = pool.submit(run_training, root / "offload", [*Z3EP2, *init, "deepspeed=zero3_offload",
-                                                           f"train.steps={OFFLOAD_STEPS}", "checkpoint.every=0"], 2)
+        w1 = pool.submit(
+            run_training, root / "z3_w1", [*Z3W1, f"checkpoint.resume={_step_dir(out['z3ep2'], EVERY)}"], 1, None, False
+        )
+        off = pool.submit(
+            run_training,
+            root / "offload",
+            [*Z3EP2, *init, "deepspeed=zero3_offload", f"train.steps={OFFLOAD_STEPS}", "checkpoint.every=0"],
+            2,
+        )
         out.update(resumed=resumed.result(), w1=w1.result(), offload=off.result())
     out["hf"] = hf
     return out
 
 
 def _biases(tag_dir: Path) -> dict[str, torch.Tensor]:
-    f = next(p for p in (tag_dir / "mp_rank_00_model_states.pt", tag_dir / "zero_pp_rank_0_mp_rank_00_model_states.pt")
-             if p.is_file())
+    f = next(
+        p
+        for p in (tag_dir / "mp_rank_00_model_states.pt", tag_dir / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+        if p.is_file()
+    )
     sd = torch.load(f, map_location="cpu", weights_only=False)["module"]
     return {k: v for k, v in sd.items() if k.endswith("e_score_correction_bias")}
 
@@ -102,12 +113,16 @@ def test_zero3_ep2_partitions_dense_over_all_ranks_and_experts_over_expert_data_
     # DeepSpeed's zero3_partitioned format: one shard per rank, experts inside the ZeRO shards, no per-expert files
     tag = _step_dir(jobs["z3ep2"], EVERY)
     assert sorted(p.name for p in tag.glob("*optim_states.pt")) == [
-        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    ]
     assert not list(tag.glob("layer_*_expert_*")) and not (tag / "mp_rank_00_model_states.pt").exists()
-    meta = torch.load(tag / "zero_pp_rank_1_mp_rank_00_model_states.pt", map_location="cpu",
-                      weights_only=False)["ds_autoep_layers"]
-    assert [(m["checkpoint_format"], m["ep_rank"], m["global_expert_start"], m["global_expert_end"]) for m in meta] \
-        == [("zero3_partitioned", 1, 2, 4)]
+    meta = torch.load(tag / "zero_pp_rank_1_mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)[
+        "ds_autoep_layers"
+    ]
+    assert [(m["checkpoint_format"], m["ep_rank"], m["global_expert_start"], m["global_expert_end"]) for m in meta] == [
+        ("zero3_partitioned", 1, 2, 4)
+    ]
 
 
 def test_zero3_ep2_kill_9_and_resume_auto_is_bitwise(jobs):

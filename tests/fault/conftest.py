@@ -3,6 +3,7 @@
 Fast tests run in CI; tests marked `fault_matrix` are the full matrix (more kill steps, the 2,000-step soak) and
 only run with K3_FAULT_FULL=1 (launch/fault_matrix.sh sets it): `pytest tests/fault -m fault_matrix`.
 """
+
 from __future__ import annotations
 
 import os
@@ -52,7 +53,8 @@ def ckpt_dir(run_dir: Path, step: int) -> Path:
 
 
 def load_states(tag_dir: Path) -> tuple[dict, dict]:
-    """(model-states file dict: module, lr_scheduler, ...; optimizer state) of a 1-rank DeepSpeed checkpoint, loaded weights-only."""
+    """(model-states file dict: module, lr_scheduler, ...; optimizer state) of a 1-rank DeepSpeed checkpoint,
+    loaded weights-only."""
     from training.checkpoint.safe_load import safe_torch_load
 
     model = safe_torch_load(str(tag_dir / "mp_rank_00_model_states.pt"))
@@ -100,12 +102,37 @@ def write_bad_jsonl(path: Path) -> dict[str, int]:
     import random
 
     rng = random.Random(0)
-    words = "the of and to in is that for it as with was on be by this are from at or an which".split()
+    words = [
+        "the",
+        "of",
+        "and",
+        "to",
+        "in",
+        "is",
+        "that",
+        "for",
+        "it",
+        "as",
+        "with",
+        "was",
+        "on",
+        "be",
+        "by",
+        "this",
+        "are",
+        "from",
+        "at",
+        "or",
+        "an",
+        "which",
+    ]
     good = [json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(20, 80)))}) for _ in range(400)]
-    bad = {"malformed_json": [b'{"text": "unterminated', b"not json at all", b"{" + b"x" * MAX_LINE],
-           "missing_field": [b'{"content": "no text field"}', b'{"text": null}'],
-           "invalid_utf8": [b'{"text": "bad \xff\xfe bytes"}'],
-           "empty": [b"", b"   ", b'{"text": ""}']}
+    bad = {
+        "malformed_json": [b'{"text": "unterminated', b"not json at all", b"{" + b"x" * MAX_LINE],
+        "missing_field": [b'{"content": "no text field"}', b'{"text": null}'],
+        "invalid_utf8": [b'{"text": "bad \xff\xfe bytes"}'],
+        "empty": [b"", b"   ", b'{"text": ""}'],
+    }
     lines = [g.encode() for g in good]
     for i, rec in enumerate(r for rs in bad.values() for r in rs):
         lines.insert(3 + 7 * i, rec)  # early in the file: read within the first steps
@@ -127,10 +154,21 @@ def base_run(runs_root, tokenizer_path) -> RunResult:
     """1 rank, malformed data source, W&B key in the env, checkpoints every step: shared by several faults."""
     corpus = runs_root / "bad.jsonl"
     bad = write_bad_jsonl(corpus)
-    res = run_training(runs_root / "base", [
-        *TINY, f"train.steps={BASE_STEPS}", "checkpoint.every=1", "checkpoint.keep_last=10",
-        f"data.sources=[{{type: jsonl, path: {corpus}}}]", f"data.tokenizer.model_path={tokenizer_path}",
-        "data.max_bad_fraction=0.5", "data.shuffle_buffer=1"], launcher=False, env={"WANDB_API_KEY": SECRET})
+    res = run_training(
+        runs_root / "base",
+        [
+            *TINY,
+            f"train.steps={BASE_STEPS}",
+            "checkpoint.every=1",
+            "checkpoint.keep_last=10",
+            f"data.sources=[{{type: jsonl, path: {corpus}}}]",
+            f"data.tokenizer.model_path={tokenizer_path}",
+            "data.max_bad_fraction=0.5",
+            "data.shuffle_buffer=1",
+        ],
+        launcher=False,
+        env={"WANDB_API_KEY": SECRET},
+    )
     res.bad_counts = bad  # type: ignore[attr-defined]
     return must_succeed(res)
 
@@ -148,10 +186,17 @@ def resume_overrides(run: RunResult, steps: int, allow: tuple[str, ...] = ()) ->
     cfg = OmegaConf.load(run.run_dir / "config.yaml")
     src = cfg.data.sources[0]
     allowed = [*allow, *(["train.steps"] if steps != BASE_STEPS and "train.steps" not in allow else [])]
-    return [*TINY, f"train.steps={steps}", "checkpoint.every=1", "checkpoint.keep_last=10",
-            f"data.sources=[{{type: jsonl, path: {src.path}}}]",
-            f"data.tokenizer.model_path={cfg.data.tokenizer.model_path}", "data.max_bad_fraction=0.5",
-            "data.shuffle_buffer=1", *([f"checkpoint.allow_changes=[{','.join(allowed)}]"] if allowed else [])]
+    return [
+        *TINY,
+        f"train.steps={steps}",
+        "checkpoint.every=1",
+        "checkpoint.keep_last=10",
+        f"data.sources=[{{type: jsonl, path: {src.path}}}]",
+        f"data.tokenizer.model_path={cfg.data.tokenizer.model_path}",
+        "data.max_bad_fraction=0.5",
+        "data.shuffle_buffer=1",
+        *([f"checkpoint.allow_changes=[{','.join(allowed)}]"] if allowed else []),
+    ]
 
 
 def record(fault: str, survived: bool, data_lost: bool, detail: str = "") -> None:
@@ -161,8 +206,10 @@ def record(fault: str, survived: bool, data_lost: bool, detail: str = "") -> Non
     path = os.environ.get("K3_FAULT_REPORT")
     if path:
         with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"fault": fault, "survived": bool(survived), "data_lost": bool(data_lost),
-                                "detail": detail}) + "\n")
+            f.write(
+                json.dumps({"fault": fault, "survived": bool(survived), "data_lost": bool(data_lost), "detail": detail})
+                + "\n"
+            )
 
 
 def partial_tags(run_dir: Path) -> list[str]:
@@ -170,8 +217,9 @@ def partial_tags(run_dir: Path) -> list[str]:
     return sorted(d.name for d in root.glob("step_*") if not (d / "COMPLETE").is_file()) if root.is_dir() else []
 
 
-def run_and_kill_launcher(run_dir: Path, overrides: list[str], at_step: int, whole_group: bool = True,
-                          nproc: int = 2, timeout: int = 600) -> RunResult:
+def run_and_kill_launcher(
+    run_dir: Path, overrides: list[str], at_step: int, whole_group: bool = True, nproc: int = 2, timeout: int = 600
+) -> RunResult:
     """Start the deepspeed launcher, wait until metrics.jsonl reaches `at_step`, then SIGKILL the launcher's whole
     process group (what a scheduler or OOM-killer of the job does) or only the launcher process."""
     import signal
@@ -180,10 +228,20 @@ def run_and_kill_launcher(run_dir: Path, overrides: list[str], at_step: int, who
 
     from tests.distributed.conftest import BIN, REPO, free_port, job_env
 
-    cmd = [str(BIN / "deepspeed"), "--no_local_rank", "--num_gpus", str(nproc), "--master_port", str(free_port()),
-           "training/train.py", f"run_dir={run_dir}", *overrides]
-    p = subprocess.Popen(cmd, cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, start_new_session=True)
+    cmd = [
+        str(BIN / "deepspeed"),
+        "--no_local_rank",
+        "--num_gpus",
+        str(nproc),
+        "--master_port",
+        str(free_port()),
+        "training/train.py",
+        f"run_dir={run_dir}",
+        *overrides,
+    ]
+    p = subprocess.Popen(
+        cmd, cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     t0 = time.time()
     while time.time() - t0 < timeout and p.poll() is None:
         m = read_metrics(run_dir)
@@ -218,8 +276,11 @@ def wait_group_gone(pgid: int, timeout: float = 30.0) -> bool:
 
 def snapshot(run_dir: Path) -> dict[str, tuple[int, int]]:
     """Every file under `run_dir` with its size and mtime: equal before and after = nothing was written."""
-    return {str(p.relative_to(run_dir)): (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in sorted(run_dir.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(run_dir)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in sorted(run_dir.rglob("*"))
+        if p.is_file()
+    }
 
 
 def one_error_line(r: RunResult, rc: int = 2) -> str:

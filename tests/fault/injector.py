@@ -14,6 +14,7 @@ launcher run. The run harness (tests/distributed/conftest.py `run_training`) add
 
 NaN/Inf faults use PyTorch's own seam, a forward hook on the model that replaces the output's loss.
 """
+
 from __future__ import annotations
 
 import os

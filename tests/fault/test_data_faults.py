@@ -1,5 +1,6 @@
 """Fault 6: malformed data records (bad JSON, missing field, invalid UTF-8, empty lines, gigantic lines) are
 skipped and counted, and the counts reach metrics.jsonl; training goes on."""
+
 from __future__ import annotations
 
 import math

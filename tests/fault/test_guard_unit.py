@@ -1,4 +1,5 @@
 """Unit properties of the step guard (training/guard.py) and the fault hooks (tests/fault/injector.py)."""
+
 from __future__ import annotations
 
 import math
@@ -20,8 +21,10 @@ def _trained_adamw() -> tuple[torch.nn.Linear, torch.optim.AdamW]:
 
 
 def _snapshot(lin, opt):
-    return ([p.detach().clone() for p in lin.parameters()],
-            [{k: v.clone() for k, v in s.items()} for s in opt.state.values()])
+    return (
+        [p.detach().clone() for p in lin.parameters()],
+        [{k: v.clone() for k, v in s.items()} for s in opt.state.values()],
+    )
 
 
 def test_install_skips_a_nonfinite_gradient_without_touching_weights_or_state():
@@ -101,8 +104,12 @@ def test_production_code_never_imports_the_fault_injector():
     import pathlib
 
     root = pathlib.Path(__file__).resolve().parents[2]
-    hits = [str(p) for pkg in ("model", "data", "training") for p in (root / pkg).rglob("*.py")
-            if "injector" in p.read_text() and "tests.fault" in p.read_text()]
+    hits = [
+        str(p)
+        for pkg in ("model", "data", "training")
+        for p in (root / pkg).rglob("*.py")
+        if "injector" in p.read_text() and "tests.fault" in p.read_text()
+    ]
     assert hits == []
 
 

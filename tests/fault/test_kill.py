@@ -2,22 +2,31 @@
 EP=2 CPU job (ZeRO-2). `checkpoint.resume=auto` must continue from the newest COMPLETE checkpoint and reproduce the
 uninterrupted job's losses bitwise; a partial checkpoint is never resumed and is replaced/pruned afterwards.
 
-CI runs one kill mid-checkpoint (tests/distributed/test_resume.py covers a plain exit after a step); the matrix (K3_FAULT_FULL=1) kills at 5 more steps, both
+CI runs one kill mid-checkpoint (tests/distributed/test_resume.py covers a plain exit after a step); the matrix
+(K3_FAULT_FULL=1) kills at 5 more steps, both
 ranks, the launcher's process group at 2 points and every checkpoint phase (kill -9 of the launcher process alone:
 test_processes.py).
 """
+
 from __future__ import annotations
 
 import pytest
 
-from tests.fault.conftest import (TINY, ckpt_dir, must_succeed, partial_tags, record, run_and_kill_launcher,
-                                  run_training)
+from tests.fault.conftest import TINY, ckpt_dir, must_succeed, partial_tags, record, run_and_kill_launcher, run_training
 from training.checkpoint import SAVE_PHASES as CKPT_PHASES
 
 pytestmark = pytest.mark.distributed
 STEPS = 8
-JOB = [*TINY, "deepspeed=zero2", "parallel=ep2", f"train.steps={STEPS}", "checkpoint.every=2",
-       "train.micro_batch_size=2", "train.grad_accum=1", "checkpoint.keep_last=2"]
+JOB = [
+    *TINY,
+    "deepspeed=zero2",
+    "parallel=ep2",
+    f"train.steps={STEPS}",
+    "checkpoint.every=2",
+    "train.micro_batch_size=2",
+    "train.grad_accum=1",
+    "checkpoint.keep_last=2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +56,12 @@ def _kill_rank(runs_root, reference, step: int, rank: int):
 
 def _kill_in_checkpoint(runs_root, reference, phase: str, step: int = 4):
     run_dir = runs_root / f"kill_ckpt_{phase}"
-    killed = run_training(run_dir, JOB, nproc=2, env={"K3_FAULT_KILL_AT_STEP": str(step),
-                                                      "K3_FAULT_KILL_IN_CKPT_PHASE": phase, "K3_FAULT_RANK": "0"})
+    killed = run_training(
+        run_dir,
+        JOB,
+        nproc=2,
+        env={"K3_FAULT_KILL_AT_STEP": str(step), "K3_FAULT_KILL_IN_CKPT_PHASE": phase, "K3_FAULT_RANK": "0"},
+    )
     from training.checkpoint import find_latest
 
     latest = find_latest(str(run_dir / "checkpoints"))
@@ -90,7 +103,10 @@ def test_resume_with_world_size_2_to_1_continues_the_same_global_batches(runs_ro
     shutil.copytree(reference.run_dir, run_dir)
     (run_dir / "metrics.jsonl").unlink()
     one = [o for o in JOB if not o.startswith(("parallel=", "train.grad_accum"))] + [
-        "train.grad_accum=2", f"train.steps={STEPS + 2}", "checkpoint.allow_changes=[train.steps]"]
+        "train.grad_accum=2",
+        f"train.steps={STEPS + 2}",
+        "checkpoint.allow_changes=[train.steps]",
+    ]
     r = run_training(run_dir, one, nproc=1, launcher=False)
     ok = r.returncode == 0 and [m["step"] for m in r.metrics] == [STEPS + 1, STEPS + 2]
     record("resume with world size 2 -> 1", survived=ok, data_lost=not ok)

@@ -3,6 +3,7 @@ skipped steps are counted in metrics.jsonl; N consecutive bad steps stop the run
 
 Real 1-rank jobs (python -m training.train) with the test hooks of tests/fault/injector.py, checkpoints every step.
 """
+
 from __future__ import annotations
 
 import pytest

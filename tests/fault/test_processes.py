@@ -3,6 +3,7 @@
 A run dir is locked (`<run_dir>/.lock`, fcntl.flock, rank 0) for a job's life: a second job stops with one line
 naming the holder and writes nothing. kill -9 of the `deepspeed` runner alone (its child `deepspeed.launcher.launch`
 is the ranks' parent) takes the ranks down within seconds (training/watchdog.py)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -27,9 +28,19 @@ GONE_WITHIN_S = 10.0
 
 def test_a_second_job_on_a_locked_run_dir_stops_naming_the_holder(tmp_path):
     run = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys; from training.rundir import lock_run_dir; "
-                               f"lock_run_dir({str(run)!r}); print('locked', flush=True); sys.stdin.read()"],
-                              cwd=REPO, env=job_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from training.rundir import lock_run_dir; "
+            f"lock_run_dir({str(run)!r}); print('locked', flush=True); sys.stdin.read()",
+        ],
+        cwd=REPO,
+        env=job_env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         before = snapshot(run)
@@ -49,8 +60,12 @@ def test_killing_the_launcher_process_takes_its_ranks_down_within_seconds(tmp_pa
     killed = run_and_kill_launcher(tmp_path / "run", job, at_step=1, whole_group=False, nproc=nproc)
     gone = wait_group_gone(killed.pgid, timeout=30)
     after = time.time() - killed.killed_at
-    record(f"kill -9 launcher pid only ({nproc} rank(s): none outlives it)", survived=gone and after < GONE_WITHIN_S,
-           data_lost=False, detail=f"ranks gone {after:.1f} s after the kill")
+    record(
+        f"kill -9 launcher pid only ({nproc} rank(s): none outlives it)",
+        survived=gone and after < GONE_WITHIN_S,
+        data_lost=False,
+        detail=f"ranks gone {after:.1f} s after the kill",
+    )
     assert gone and after < GONE_WITHIN_S, f"ranks still alive {after:.1f} s after the launcher was killed"
     assert max(m["step"] for m in killed.metrics) < 500
     assert "the deepspeed launcher" in killed.stderr

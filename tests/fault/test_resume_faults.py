@@ -1,5 +1,6 @@
 """Fault 3: resume twice in a row, and resume after the data source looped: the job continues without repeating
 or skipping data (losses equal the uninterrupted job's bitwise). World size 2 -> 1 is in test_kill.py."""
+
 from __future__ import annotations
 
 import json
@@ -15,10 +16,19 @@ N_DOCS, STEPS = 30, 10
 def small_corpus(runs_root, tokenizer_path):
     """30 short documents: the source loops (a new epoch) every few steps."""
     path = runs_root / "small.jsonl"
-    path.write_text("".join(json.dumps({"text": f"document {i} " + "lorem ipsum dolor sit amet " * 4}) + "\n"
-                            for i in range(N_DOCS)))
-    return [*TINY, f"train.steps={STEPS}", "checkpoint.every=2", "checkpoint.keep_last=3",
-            f"data.sources=[{{type: jsonl, path: {path}}}]", f"data.tokenizer.model_path={tokenizer_path}"]
+    path.write_text(
+        "".join(
+            json.dumps({"text": f"document {i} " + "lorem ipsum dolor sit amet " * 4}) + "\n" for i in range(N_DOCS)
+        )
+    )
+    return [
+        *TINY,
+        f"train.steps={STEPS}",
+        "checkpoint.every=2",
+        "checkpoint.keep_last=3",
+        f"data.sources=[{{type: jsonl, path: {path}}}]",
+        f"data.tokenizer.model_path={tokenizer_path}",
+    ]
 
 
 @pytest.mark.fault_matrix

@@ -3,6 +3,7 @@
 `checkpoint.allow_changes`, and `resume=none` refuses a run dir that holds checkpoints unless `start_over=true`
 archives the old run. Retention never deletes the last good checkpoint: a corrupt one found at resume is moved
 aside. All 1-rank jobs on copies of the shared `base_run` (4 steps, a checkpoint every step), run concurrently."""
+
 from __future__ import annotations
 
 import json
@@ -34,14 +35,24 @@ def _jobs(base_run) -> dict[str, list[str]]:
         "lr_refused": [*base, f"optim.lr={NEW_LR}"],
         "arch": [*base, "model.hidden_size=32"],
         "none": [*base, "checkpoint.resume=none"],
-        "lr_allowed": [*resume_overrides(base_run, BASE_STEPS, allow=("optim.lr",)), f"optim.lr={NEW_LR}",
-                       "checkpoint.resume=STEP2"],
+        "lr_allowed": [
+            *resume_overrides(base_run, BASE_STEPS, allow=("optim.lr",)),
+            f"optim.lr={NEW_LR}",
+            "checkpoint.resume=STEP2",
+        ],
         "steps": resume_overrides(base_run, BASE_STEPS + 2),  # (allows train.steps)
         "start_over": [*resume_overrides(base_run, 1), "checkpoint.resume=none", "checkpoint.start_over=true"],
         # the newest checkpoint (4) is corrupt; the next save is at step 5 with keep_last=2
-        "fallback": [*(o for o in resume_overrides(base_run, BASE_STEPS + 1) if not o.startswith(
-            ("checkpoint.every", "checkpoint.keep_last"))), f"checkpoint.every={BASE_STEPS + 1}",
-                     "checkpoint.keep_last=2", "checkpoint.fallback=true"],
+        "fallback": [
+            *(
+                o
+                for o in resume_overrides(base_run, BASE_STEPS + 1)
+                if not o.startswith(("checkpoint.every", "checkpoint.keep_last"))
+            ),
+            f"checkpoint.every={BASE_STEPS + 1}",
+            "checkpoint.keep_last=2",
+            "checkpoint.fallback=true",
+        ],
     }
 
 
@@ -57,15 +68,20 @@ def trials(base_run, runs_root) -> dict:
             victim.write_bytes(victim.read_bytes()[:1000])
         before[name] = snapshot(runs[name])
     with ThreadPoolExecutor(len(runs)) as pool:
-        futs = {name: pool.submit(run_training, runs[name],
-                                  [o.replace("STEP2", str(ckpt_dir(runs[name], 2))) for o in ov], launcher=False)
-                for name, ov in _jobs(base_run).items()}
+        futs = {
+            name: pool.submit(
+                run_training, runs[name], [o.replace("STEP2", str(ckpt_dir(runs[name], 2))) for o in ov], launcher=False
+            )
+            for name, ov in _jobs(base_run).items()
+        }
         return {name: (f.result(), before[name]) for name, f in futs.items()}
 
 
 def _lrs(run_dir) -> dict[int, float]:
-    return {int(m["step"]): m["lr"] for m in (json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text()
-                                               .splitlines() if ln.strip())}
+    return {
+        int(m["step"]): m["lr"]
+        for m in (json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip())
+    }
 
 
 def test_resume_with_a_changed_lr_refuses_naming_the_key_and_writes_nothing(trials):
@@ -82,8 +98,9 @@ def test_resume_after_an_architecture_change_is_one_line_not_a_traceback(trials)
     r, before = trials["arch"]
     run = r.run_dir
     line = one_error_line(r)
-    record("resume after an architecture change (refused)", survived=r.returncode == 2,
-           data_lost=snapshot(run) != before)
+    record(
+        "resume after an architecture change (refused)", survived=r.returncode == 2, data_lost=snapshot(run) != before
+    )
     assert "model.hidden_size 64 -> 32" in line and "start_over" in line and "allow_changes" not in line
     assert snapshot(run) == before
 
@@ -107,8 +124,11 @@ def test_more_steps_keep_the_original_schedule_and_then_its_final_value(base_run
     lrs = _lrs(run)
     ok = [lrs[s] for s in range(1, BASE_STEPS + 1)] == [_lrs(base_run.run_dir)[s] for s in range(1, BASE_STEPS + 1)]
     tail = [lrs[BASE_STEPS + 1], lrs[BASE_STEPS + 2]]
-    record("more steps with allow_changes (schedule horizon kept)", survived=r.returncode == 0,
-           data_lost=not ok or tail != [BASE_LR * MIN_LR_RATIO] * 2)
+    record(
+        "more steps with allow_changes (schedule horizon kept)",
+        survived=r.returncode == 0,
+        data_lost=not ok or tail != [BASE_LR * MIN_LR_RATIO] * 2,
+    )
     assert ok  # the uninterrupted 4-step schedule, untouched
     assert tail == pytest.approx([BASE_LR * MIN_LR_RATIO] * 2, rel=1e-12)  # then its final value
     state = json.loads((ckpt_dir(run, BASE_STEPS + 2) / "trainer_state.json").read_text())

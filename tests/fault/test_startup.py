@@ -1,5 +1,6 @@
 """Fault 7: an unwritable run directory or a full disk is an error before training starts (exit 2, one line,
 nothing trained, no process group)."""
+
 from __future__ import annotations
 
 from tests.fault.conftest import TINY, run_training

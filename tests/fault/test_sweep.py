@@ -1,6 +1,7 @@
 """Issue 17: sweep jobs get their own run directory keyed by their overrides (`runs/sweep/<name>/<key>`, or a
 subdirectory per job of a given `run_dir=`), so a job never resumes another job's checkpoint and a re-run with new
 values trains them in new directories. Real `launch/sweep.sh` multiruns, 1 rank per job."""
+
 from __future__ import annotations
 
 import subprocess
@@ -17,10 +18,14 @@ JOB = [*TINY, "train.steps=2"]
 
 
 def _sweep(root, lrs: str) -> subprocess.CompletedProcess:
-    cmd = [str(REPO / "launch" / "sweep.sh"), *JOB, f"optim.lr={lrs}", f"run_dir={root}",
-           f"hydra.sweep.dir={root}/multirun"]
-    return subprocess.run(cmd, cwd=REPO, env=job_env({"NUM_RANKS": "1"}), capture_output=True, text=True,
-                          timeout=900)
+    cmd = [
+        str(REPO / "launch" / "sweep.sh"),
+        *JOB,
+        f"optim.lr={lrs}",
+        f"run_dir={root}",
+        f"hydra.sweep.dir={root}/multirun",
+    ]
+    return subprocess.run(cmd, cwd=REPO, env=job_env({"NUM_RANKS": "1"}), capture_output=True, text=True, timeout=900)
 
 
 def _job_dir(root: Path, lr: str) -> Path:
@@ -51,8 +56,11 @@ def first_sweep(runs_root):
 def test_sweep_jobs_train_in_their_own_run_dirs(first_sweep):
     root = first_sweep
     steps = {lr: [m["step"] for m in read_metrics(_job_dir(root, lr))] for lr in ("1e-2", "3e-2")}
-    record("sweep jobs with run_dir= (own dirs)", survived=steps == {"1e-2": [1, 2], "3e-2": [1, 2]},
-           data_lost=steps != {"1e-2": [1, 2], "3e-2": [1, 2]})
+    record(
+        "sweep jobs with run_dir= (own dirs)",
+        survived=steps == {"1e-2": [1, 2], "3e-2": [1, 2]},
+        data_lost=steps != {"1e-2": [1, 2], "3e-2": [1, 2]},
+    )
     assert steps == {"1e-2": [1, 2], "3e-2": [1, 2]}  # each job trained from step 1, none resumed another's
 
 

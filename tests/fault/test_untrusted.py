@@ -4,6 +4,7 @@ Loading never executes pickled code (weights-only everywhere, DeepSpeed's loader
 one-line error naming it; `checkpoint.fallback=true` resumes from the previous complete checkpoint instead; the
 W&B API key never lands in the run directory or the logs.
 """
+
 from __future__ import annotations
 
 import json
@@ -59,7 +60,7 @@ def test_damaged_file_is_one_line_error_naming_it(tmp_path, damage):
     torch.save({"w": torch.randn(64, 64)}, path)
     data = path.read_bytes()
     if damage.startswith("garbage"):  # seeded random bytes: the unpickler fails differently for each
-        data = random.Random(int(damage[len("garbage"):])).randbytes(len(data))
+        data = random.Random(int(damage[len("garbage") :])).randbytes(len(data))
     path.write_bytes({"truncate": data[: len(data) // 2], "empty": b""}.get(damage, data))
     with pytest.raises(CheckpointError) as e:
         safe_torch_load(str(path))
@@ -113,8 +114,14 @@ def test_wandb_key_never_written_to_run_dir_or_logs(base_run):
 
 
 def _export(src: Path, out: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "training.export", str(src), str(out)], cwd=REPO, env=job_env(),
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "training.export", str(src), str(out)],
+        cwd=REPO,
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_export_of_a_truncated_checkpoint_is_one_line_and_writes_nothing(base_run, runs_root):

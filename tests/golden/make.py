@@ -5,6 +5,7 @@ partial last block) saved in the HF layout, plus `golden.safetensors` with `inpu
 code computes. `tests/model/test_golden.py` compares against them at 1e-6 relative, so numerics never drift
 silently. Regenerate only for an intended change of the model's function, and say so in the commit.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,12 +24,27 @@ SEED = 1234
 
 def micro_config() -> K3Config:
     return K3Config(
-        vocab_size=256, hidden_size=64, num_hidden_layers=5, intermediate_size=128,
-        linear_attn_config=dict(num_heads=2, head_dim=32, short_conv_kernel_size=4, gate_lower_bound=-5.0,
-                                use_full_rank_gate=True),
-        num_attention_heads=2, num_key_value_heads=2, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
-        qk_rope_head_dim=8, v_head_dim=16, num_experts=4, num_experts_per_token=2, num_shared_experts=1,
-        moe_intermediate_size=32, routed_expert_hidden_size=32, attn_res_block_size=2, kda_chunk_size=16,
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=5,
+        intermediate_size=128,
+        linear_attn_config=dict(
+            num_heads=2, head_dim=32, short_conv_kernel_size=4, gate_lower_bound=-5.0, use_full_rank_gate=True
+        ),
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        num_experts=4,
+        num_experts_per_token=2,
+        num_shared_experts=1,
+        moe_intermediate_size=32,
+        routed_expert_hidden_size=32,
+        attn_res_block_size=2,
+        kda_chunk_size=16,
     )
 
 

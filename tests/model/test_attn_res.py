@@ -1,4 +1,5 @@
 """Block Attention Residuals (docs/model.md §6, §10 item 12)."""
+
 from __future__ import annotations
 
 import pytest
@@ -21,8 +22,6 @@ def reference_mix(cands: list[torch.Tensor], w: torch.Tensor, g: torch.Tensor, e
     return (alpha.unsqueeze(-1) * V).sum(0)
 
 
-
-
 def test_single_candidate_is_identity():
     v = torch.randn(2, 5, 8)
     out = attn_res_mix([v], torch.randn(8), torch.randn(8), 1e-5)
@@ -37,8 +36,9 @@ def test_zero_query_gives_uniform_mean():
 
 def test_constant_candidates_give_the_constant():
     v = torch.randn(2, 3, 16, dtype=torch.float64)
-    out = attn_res_mix([v, v.clone(), v.clone()], torch.randn(16, dtype=torch.float64) * 3,
-                       torch.randn(16, dtype=torch.float64), 1e-5)
+    out = attn_res_mix(
+        [v, v.clone(), v.clone()], torch.randn(16, dtype=torch.float64) * 3, torch.randn(16, dtype=torch.float64), 1e-5
+    )
     torch.testing.assert_close(out, v, rtol=0, atol=1e-14)
 
 
@@ -51,8 +51,9 @@ def test_weights_sum_to_one_and_are_convex():
     c = (out / v).flatten()
     assert torch.allclose(c, c[0].expand_as(c))
     assert min(scales) <= float(c[0]) <= max(scales)
-    ones = attn_res_mix([torch.ones_like(v)] * 4, torch.randn(16, dtype=torch.float64),
-                        torch.rand(16, dtype=torch.float64), 1e-5)
+    ones = attn_res_mix(
+        [torch.ones_like(v)] * 4, torch.randn(16, dtype=torch.float64), torch.rand(16, dtype=torch.float64), 1e-5
+    )
     torch.testing.assert_close(ones, torch.ones_like(v), rtol=0, atol=1e-15)
 
 
@@ -60,11 +61,9 @@ def test_weights_sum_to_one_and_are_convex():
 def test_mix_matches_float64_reference_on_random_inputs(n):
     cands = [torch.randn(2, 11, 24, dtype=torch.float64) * (i + 1) for i in range(n)]
     w, g = torch.randn(24, dtype=torch.float64), torch.randn(24, dtype=torch.float64)
-    torch.testing.assert_close(attn_res_mix(cands, w, g, 1e-5), reference_mix(cands, w, g, 1e-5),
-                               rtol=0, atol=1e-12)
+    torch.testing.assert_close(attn_res_mix(cands, w, g, 1e-5), reference_mix(cands, w, g, 1e-5), rtol=0, atol=1e-12)
     stacked = torch.stack(cands)
-    torch.testing.assert_close(attn_res_mix(stacked, w, g, 1e-5), reference_mix(cands, w, g, 1e-5),
-                               rtol=0, atol=1e-12)
+    torch.testing.assert_close(attn_res_mix(stacked, w, g, 1e-5), reference_mix(cands, w, g, 1e-5), rtol=0, atol=1e-12)
 
 
 def test_bf16_mix_computes_softmax_in_fp32_and_returns_bf16():
@@ -73,7 +72,7 @@ def test_bf16_mix_computes_softmax_in_fp32_and_returns_bf16():
     out = attn_res_mix(cands, w, g, 1e-5)
     assert out.dtype == torch.bfloat16
     ref = reference_mix([c.double() for c in cands], w.double(), g.double(), 1e-5)
-    assert (out.double() - ref).abs().max() <= 2 ** -7 * ref.abs().max()
+    assert (out.double() - ref).abs().max() <= 2**-7 * ref.abs().max()
 
 
 def test_backward_matches_autograd_through_the_float64_reference():

@@ -1,5 +1,6 @@
 """K3Config (issue 2 §4, docs/model.md §1/§9/§10 item 14): presets, the derived 3:1 schedule, HF config.json IO, and
 one-line validation errors that name the key."""
+
 from __future__ import annotations
 
 import json
@@ -103,8 +104,12 @@ def test_from_hf_config_reads_a_text_config_nested_file_and_ignores_foreign_keys
     text = K3Config.preset("tiny").to_hf_config()
     text["linear_attn_config"] = {**text["linear_attn_config"], "some_future_key": 1}
     text["eos_token_id"] = [7, 8]
-    nested = {"model_type": "kimi_k3", "vision_config": {"patch_size": 14}, "text_config": text,
-              "unknown_top_level": True}
+    nested = {
+        "model_type": "kimi_k3",
+        "vision_config": {"patch_size": 14},
+        "text_config": text,
+        "unknown_top_level": True,
+    }
     (tmp_path / "config.json").write_text(json.dumps(nested))
     c = K3Config.from_hf_config(tmp_path / "config.json")
     assert c == K3Config.preset("tiny", eos_token_id=7)
@@ -127,9 +132,22 @@ def test_from_hf_config_missing_path_is_a_one_line_error(tmp_path) -> None:
 
 # --- validation: one line, naming the key -------------------------------------------------------------------------
 
-_POSITIVE_INT_KEYS = ["vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
-                      "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "num_experts", "num_experts_per_token",
-                      "moe_intermediate_size", "routed_expert_hidden_size", "kda_chunk_size", "moe_balance_bins"]
+_POSITIVE_INT_KEYS = [
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "intermediate_size",
+    "num_attention_heads",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "v_head_dim",
+    "num_experts",
+    "num_experts_per_token",
+    "moe_intermediate_size",
+    "routed_expert_hidden_size",
+    "kda_chunk_size",
+    "moe_balance_bins",
+]
 
 _BAD = [(dict(**{k: 0}), k) for k in _POSITIVE_INT_KEYS] + [
     (dict(qk_rope_head_dim=-1), "qk_rope_head_dim"),

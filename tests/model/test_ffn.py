@@ -1,4 +1,5 @@
 """SiTU-GLU (docs/model.md §5 (report Eq. 12), §10 item 13)."""
+
 from __future__ import annotations
 
 import math
@@ -56,8 +57,9 @@ def test_activation_computed_in_fp32_for_bf16_inputs():
     assert situ(a, B1).dtype == torch.float32 and cap(a, B2).dtype == torch.float32
     out = situ_glu(a, a, B1, B2)
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), situ(a.double(), B1).float() * cap(a.double(), B2).float(),
-                               rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(
+        out.float(), situ(a.double(), B1).float() * cap(a.double(), B2).float(), rtol=1e-2, atol=1e-2
+    )
 
 
 def test_situglu_module_is_down_of_situ_gate_times_cap_up():

@@ -1,4 +1,5 @@
 """Generation (issue 3 §5): cached incremental decode == full forward, sampling controls, seeds, the CLI."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,8 +8,6 @@ import torch
 from model.generate import generate, sample_next
 from model.k3 import K3Cache, K3ForCausalLM
 from tests.model.micro import exercise_every_path, micro_config
-
-
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +26,7 @@ def test_incremental_decode_equals_full_forward(model):
     full = model(ids).logits
     cache = K3Cache.empty(model.config)
     steps = [model(ids[:, :9], cache=cache).logits, model(ids[:, 9:13], cache=cache).logits]  # prefill + chunk
-    steps += [model(ids[:, t:t + 1], cache=cache).logits for t in range(13, 24)]  # one token at a time
+    steps += [model(ids[:, t : t + 1], cache=cache).logits for t in range(13, 24)]  # one token at a time
     assert cache.seen_tokens == 24
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=1e-4)
 

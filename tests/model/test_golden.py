@@ -1,4 +1,5 @@
 """Golden logits: the shared released-layout tiny checkpoint, and the repo's own fixed-seed micro checkpoint."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,4 +1,5 @@
 """HF checkpoint IO (issue 3 §4): key names, prefixes, padded A_log, MXFP4 experts, sharding, strictness."""
+
 from __future__ import annotations
 
 import json
@@ -161,8 +162,11 @@ def test_unknown_and_missing_keys_are_listed_unless_not_strict(tmp_path):
     del state["model.norm.weight"]
     state["model.layers.0.bogus.weight"] = torch.zeros(2)
     save_file(state, str(tmp_path / "model.safetensors"))
-    with pytest.raises(CheckpointError, match=r"unknown keys \[model\.layers\.0\.bogus\.weight\].*"
-                                              r"missing keys \[model\.norm\.weight\]"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"unknown keys \[model\.layers\.0\.bogus\.weight\].*"
+        r"missing keys \[model\.norm\.weight\]",
+    ):
         load_hf_checkpoint(tmp_path)
     loose = load_hf_checkpoint(tmp_path, strict=False)
     assert torch.equal(loose.lm_head.weight, m.lm_head.weight)
@@ -189,8 +193,15 @@ def test_requested_dtype_keeps_the_spec_fp32_tensors(tmp_path):
     save_hf_checkpoint(randomised(micro_config()), tmp_path)
     m = load_hf_checkpoint(tmp_path, dtype=torch.bfloat16)
     kda, moe = m.model.layers[0].self_attn, m.model.layers[1].block_sparse_moe
-    for t in (kda.q_conv1d.weight, kda.k_conv1d.weight, kda.v_conv1d.weight, kda.A_log, kda.dt_bias,
-              kda.o_norm.weight, moe.gate.e_score_correction_bias):
+    for t in (
+        kda.q_conv1d.weight,
+        kda.k_conv1d.weight,
+        kda.v_conv1d.weight,
+        kda.A_log,
+        kda.dt_bias,
+        kda.o_norm.weight,
+        moe.gate.e_score_correction_bias,
+    ):
         assert t.dtype == torch.float32
     assert kda.q_proj.weight.dtype == moe.experts.w1.dtype == m.lm_head.weight.dtype == torch.bfloat16
     c = cast_model(randomised(micro_config()), torch.bfloat16)

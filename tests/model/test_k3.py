@@ -1,5 +1,6 @@
 """The whole LM (issue 3 §3, docs/model.md §10 items 14, 16): schedule, causality, batch independence, packed
 documents, loss conventions, init, activation checkpointing, balancing hooks."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,8 +13,6 @@ from model.kda import KDA
 from model.mla import GatedMLA
 from model.moe.layer import LatentMoE
 from tests.model.micro import exercise_every_path, micro_config
-
-
 
 
 def random_model(cfg: K3Config | None = None, seed: int = 0) -> K3ForCausalLM:
@@ -32,8 +31,7 @@ def test_k3_preset_builds_on_meta_with_the_released_schedule():
     layers = m.model.layers
     kinds = [type(l.self_attn) for l in layers]
     assert kinds.count(KDA) == 69 and kinds.count(GatedMLA) == 24
-    assert [i + 1 for i, l in enumerate(layers) if isinstance(l.self_attn, GatedMLA)] == \
-        [*range(4, 93, 4), 93]
+    assert [i + 1 for i, l in enumerate(layers) if isinstance(l.self_attn, GatedMLA)] == [*range(4, 93, 4), 93]
     assert not layers[0].is_moe and hasattr(layers[0], "mlp")
     assert all(isinstance(l.block_sparse_moe, LatentMoE) for l in layers[1:])
     assert len(m.moe_layers()) == 92
@@ -42,12 +40,21 @@ def test_k3_preset_builds_on_meta_with_the_released_schedule():
 
 def test_state_dict_keys_use_the_hf_text_spelling():
     keys = set(random_model().state_dict())
-    for k in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight", "model.output_attn_res_proj.weight",
-              "model.output_attn_res_norm.weight", "model.layers.0.mlp.gate_proj.weight",
-              "model.layers.0.self_attention_res_proj.weight", "model.layers.0.mlp_res_norm.weight",
-              "model.layers.0.self_attn.q_conv1d.weight", "model.layers.3.self_attn.kv_a_proj_with_mqa.weight",
-              "model.layers.1.block_sparse_moe.gate.e_score_correction_bias",
-              "model.layers.1.block_sparse_moe.experts.w1", "model.layers.4.post_attention_layernorm.weight"):
+    for k in (
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+        "model.norm.weight",
+        "model.output_attn_res_proj.weight",
+        "model.output_attn_res_norm.weight",
+        "model.layers.0.mlp.gate_proj.weight",
+        "model.layers.0.self_attention_res_proj.weight",
+        "model.layers.0.mlp_res_norm.weight",
+        "model.layers.0.self_attn.q_conv1d.weight",
+        "model.layers.3.self_attn.kv_a_proj_with_mqa.weight",
+        "model.layers.1.block_sparse_moe.gate.e_score_correction_bias",
+        "model.layers.1.block_sparse_moe.experts.w1",
+        "model.layers.4.post_attention_layernorm.weight",
+    ):
         assert k in keys, k
 
 
@@ -72,10 +79,10 @@ def test_causality_future_tokens_do_not_change_past_logits():
     ids = torch.randint(0, 61, (1, 23))
     t = 11
     other = ids.clone()
-    other[0, t + 1:] = torch.randint(0, 61, (23 - t - 1,))
+    other[0, t + 1 :] = torch.randint(0, 61, (23 - t - 1,))
     a, b = m(ids).logits, m(other).logits
-    torch.testing.assert_close(a[:, :t + 1], b[:, :t + 1], rtol=0, atol=1e-12)
-    assert (a[:, t + 1:] - b[:, t + 1:]).abs().max() > 1e-6
+    torch.testing.assert_close(a[:, : t + 1], b[:, : t + 1], rtol=0, atol=1e-12)
+    assert (a[:, t + 1 :] - b[:, t + 1 :]).abs().max() > 1e-6
 
 
 def test_batch_rows_are_independent():
@@ -83,7 +90,7 @@ def test_batch_rows_are_independent():
     ids = torch.randint(0, 61, (3, 19))
     full = m(ids).logits
     for i in range(3):
-        torch.testing.assert_close(full[i:i + 1], m(ids[i:i + 1]).logits, rtol=0, atol=1e-12)
+        torch.testing.assert_close(full[i : i + 1], m(ids[i : i + 1]).logits, rtol=0, atol=1e-12)
 
 
 def test_packed_documents_equal_separate_sequences():
@@ -93,7 +100,7 @@ def test_packed_documents_equal_separate_sequences():
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     packed = m(torch.cat(docs, 1), cu_seqlens=cu).logits
     for d, s in zip(docs, cu[:-1].tolist()):
-        torch.testing.assert_close(packed[:, s:s + d.shape[1]], m(d).logits, rtol=0, atol=1e-12)
+        torch.testing.assert_close(packed[:, s : s + d.shape[1]], m(d).logits, rtol=0, atol=1e-12)
 
 
 # --- loss -----------------------------------------------------------------------------------------------------------
@@ -171,8 +178,7 @@ def test_gradient_checkpointing_gives_identical_gradients_and_balancer_statistic
         counts = [int(s.tokens_per_expert.sum()) for s in out.router_stats]
         assert counts == [2 * 17 * m.config.num_experts_per_token] * len(counts)
         errs = [moe.balancer.update(s.balance) for moe, s in zip(m.moe_layers(), out.router_stats)]
-        results.append((out.loss.detach(), grads, errs,
-                        {n: b.clone() for n, b in m.named_buffers() if "e_score" in n}))
+        results.append((out.loss.detach(), grads, errs, {n: b.clone() for n, b in m.named_buffers() if "e_score" in n}))
     (l0, g0, met0, b0), (l1, g1, met1, b1) = results
     assert torch.equal(l0, l1)
     assert g0.keys() == g1.keys()

@@ -1,5 +1,6 @@
 """The KDA layer: HF names and shapes, init, gate bounds, short conv, varlen resets, cached decoding
 (docs/model.md §3, §10)."""
+
 from __future__ import annotations
 
 import math
@@ -14,8 +15,9 @@ from model.kda.layer import causal_depthwise_conv
 
 
 def small_config(**lac) -> K3Config:
-    return K3Config.preset("tiny", hidden_size=32, linear_attn_config=dict(num_heads=2, head_dim=8, **lac),
-                           kda_chunk_size=16)
+    return K3Config.preset(
+        "tiny", hidden_size=32, linear_attn_config=dict(num_heads=2, head_dim=8, **lac), kda_chunk_size=16
+    )
 
 
 def make_layer(dtype=torch.float64, seed=0, **lac) -> KDA:
@@ -40,10 +42,20 @@ def test_parameters_have_hf_names_and_shapes():
     P = H * K
     shapes = {name: tuple(p.shape) for name, p in KDA(cfg, 0).named_parameters()}
     assert shapes == {
-        "q_proj.weight": (P, d), "k_proj.weight": (P, d), "v_proj.weight": (P, d),
-        "q_conv1d.weight": (P, 1, W), "k_conv1d.weight": (P, 1, W), "v_conv1d.weight": (P, 1, W),
-        "A_log": (H,), "dt_bias": (P,), "f_a_proj.weight": (K, d), "f_b_proj.weight": (P, K),
-        "b_proj.weight": (H, d), "g_proj.weight": (P, d), "o_norm.weight": (K,), "o_proj.weight": (d, P),
+        "q_proj.weight": (P, d),
+        "k_proj.weight": (P, d),
+        "v_proj.weight": (P, d),
+        "q_conv1d.weight": (P, 1, W),
+        "k_conv1d.weight": (P, 1, W),
+        "v_conv1d.weight": (P, 1, W),
+        "A_log": (H,),
+        "dt_bias": (P,),
+        "f_a_proj.weight": (K, d),
+        "f_b_proj.weight": (P, K),
+        "b_proj.weight": (H, d),
+        "g_proj.weight": (P, d),
+        "o_norm.weight": (K,),
+        "o_proj.weight": (d, P),
     }
 
 
@@ -157,7 +169,7 @@ def test_token_by_token_decode_equals_prefill():
     y_full = layer(x)
     cache = KDACache()
     y_prefill = layer(x[:, :12], cache=cache)
-    steps = [layer(x[:, t:t + 1], cache=cache) for t in range(12, 20)]
+    steps = [layer(x[:, t : t + 1], cache=cache) for t in range(12, 20)]
     assert (torch.cat([y_prefill, *steps], dim=1) - y_full).abs().max() <= 1e-12
 
 

@@ -1,5 +1,6 @@
 """chunk_kda / recurrent_kda against the float64 per-token reference of model/kda/naive.py (docs/model.md §3,
 §10 items 1-4 and 16); the reference itself against the product form of the recurrence."""
+
 from __future__ import annotations
 
 import pytest
@@ -31,7 +32,7 @@ def product_form_kda(q, k, v, g, beta, initial_state):
         k_t, b_t = k[:, t], beta[:, t, :, None, None]
         transition = eye - b_t * k_t[..., :, None] * k_t[..., None, :]  # [B, H, K, K]
         S = transition @ (torch.diag_embed(g[:, t].exp()) @ S) + b_t * k_t[..., :, None] * v[:, t, :, None, :]
-        out[:, t] = (S.transpose(-1, -2) @ (q[:, t] * K ** -0.5)[..., None])[..., 0]
+        out[:, t] = (S.transpose(-1, -2) @ (q[:, t] * K**-0.5)[..., None])[..., 0]
     return out, S
 
 
@@ -44,7 +45,7 @@ def gated_deltanet_reference(q, k, v, alpha_BTH, beta):
         k_t = k[:, t, :, :, None]  # [B, H, K, 1]
         S = alpha_BTH[:, t, :, None, None] * (S - beta[:, t, :, None, None] * k_t @ (k_t.transpose(-1, -2) @ S))
         S = S + beta[:, t, :, None, None] * k_t @ v[:, t, :, None, :]
-        out.append((S.transpose(-1, -2) @ (q[:, t] * K ** -0.5)[..., None])[..., 0])
+        out.append((S.transpose(-1, -2) @ (q[:, t] * K**-0.5)[..., None])[..., 0])
     return torch.stack(out, 1), S
 
 
@@ -97,8 +98,9 @@ def test_reference_keeps_low_precision_inputs_in_fp32_and_returns_their_dtype():
     assert o.dtype == torch.bfloat16 and S.dtype == torch.float32
     o_ref, S_ref = oracle_kda(q, k, v, g, beta, S0)
     assert max_err(S, S_ref) <= 1e-5
-    o_empty, S_empty = naive_recurrent_kda(q[:, :0], k[:, :0], v[:, :0], g[:, :0], beta[:, :0], initial_state=S0,
-                                           output_final_state=True)
+    o_empty, S_empty = naive_recurrent_kda(
+        q[:, :0], k[:, :0], v[:, :0], g[:, :0], beta[:, :0], initial_state=S0, output_final_state=True
+    )
     assert o_empty.shape == (2, 0, 3, 12) and torch.equal(S_empty, S0.float())
 
 
@@ -155,8 +157,11 @@ def test_chunk_gradients_fp32_are_finite_and_match_the_oracle(chunk_size):
         ((o * w_o.to(dtype)).sum() + S.sum()).backward()
         return [x.grad for x in xs]
 
-    for name, a, b in zip(["q", "k", "v", "g", "beta", "initial_state"], grads(chunk_kda, torch.float32),
-                          grads(recurrent_kda, torch.float64)):
+    for name, a, b in zip(
+        ["q", "k", "v", "g", "beta", "initial_state"],
+        grads(chunk_kda, torch.float32),
+        grads(recurrent_kda, torch.float64),
+    ):
         assert torch.isfinite(a).all(), name
         assert max_err(a.double(), b) <= 1e-4 * max(1.0, b.abs().max().item()), name
 
@@ -213,10 +218,10 @@ def test_varlen_equals_separate_sequences(fn):
     o, S = fn(q, k, v, g, beta, initial_state=S0, output_final_state=True, cu_seqlens=cu, chunk_size=16)
     assert S.shape == (4, 3, 16, 12)
     for n, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
-        o_ref, S_ref = oracle_kda(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], S0[n:n + 1])
+        o_ref, S_ref = oracle_kda(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], S0[n : n + 1])
         if b > a:
             assert max_err(o[:, a:b], o_ref) <= 1e-10
-        assert max_err(S[n:n + 1], S_ref) <= 1e-10
+        assert max_err(S[n : n + 1], S_ref) <= 1e-10
 
 
 @pytest.mark.parametrize("fn", [chunk_kda, recurrent_kda])

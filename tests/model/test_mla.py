@@ -1,5 +1,6 @@
 """Gated NoPE MLA (docs/model.md §4, §10 items 6-8, 16): naive ≡ fp64 per-head oracle, absorbed ≡ naive (incl.
 cached decode and chunked prefill), NoPE permutation invariance, causality, packed documents, output gate, shapes."""
+
 from __future__ import annotations
 
 import math
@@ -63,8 +64,8 @@ def reference_mla(layer: GatedMLA, x_BTD: torch.Tensor, cu_seqlens: list[int] | 
             c_hat, k_r = rms(ckr[:rkv], W["kv_a_layernorm.weight"], 1e-6), ckr[rkv:]
             kv = W["kv_b_proj.weight"] @ c_hat
             for h in range(H):
-                q[t, h] = qt[h * (dn + dr):(h + 1) * (dn + dr)]
-                rows = kv[h * (dn + dv):(h + 1) * (dn + dv)]  # per-head rows [k_nope (dn); v (dv)]
+                q[t, h] = qt[h * (dn + dr) : (h + 1) * (dn + dr)]
+                rows = kv[h * (dn + dv) : (h + 1) * (dn + dv)]  # per-head rows [k_nope (dn); v (dv)]
                 k[t, h] = torch.cat([rows[:dn], k_r])  # k_r shared by all heads, not rotated
                 v[t, h] = rows[dn:]
         for t in range(T):
@@ -85,8 +86,9 @@ def reference_mla(layer: GatedMLA, x_BTD: torch.Tensor, cu_seqlens: list[int] | 
 # --- the formula --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("overrides", [{}, {"q_lora_rank": None}, {"mla_use_output_gate": False}],
-                         ids=["q_lora", "plain_q_proj", "ungated"])
+@pytest.mark.parametrize(
+    "overrides", [{}, {"q_lora_rank": None}, {"mla_use_output_gate": False}], ids=["q_lora", "plain_q_proj", "ungated"]
+)
 @pytest.mark.parametrize("absorbed", [False, True], ids=["naive", "absorbed"])
 def test_forward_matches_fp64_reference(overrides: dict, absorbed: bool) -> None:
     layer = make_layer(**overrides)
@@ -116,7 +118,7 @@ def test_cached_decode_token_by_token_equals_naive_forward(dtype: torch.dtype) -
     layer = make_layer(dtype)
     x = torch.randn(2, 19, layer.hidden_size, dtype=dtype)
     cache = MLACache()
-    y_steps = torch.cat([layer(x[:, t:t + 1], cache=cache) for t in range(x.shape[1])], dim=1)
+    y_steps = torch.cat([layer(x[:, t : t + 1], cache=cache) for t in range(x.shape[1])], dim=1)
     assert cache.c_kv.shape[1] == cache.k_r.shape[1] == 19
     assert rel_err(y_steps, layer(x, absorbed=False)) < TOL[dtype]
 
@@ -127,7 +129,7 @@ def test_chunked_prefill_then_decode_equals_naive_forward(dtype: torch.dtype) ->
     x = torch.randn(2, 23, layer.hidden_size, dtype=dtype)
     cache, outs, t = MLACache(), [], 0
     for n in (7, 1, 6, 1, 8):  # prefill, decode, chunk appended to a non-empty cache, ...
-        outs.append(layer(x[:, t:t + n], cache=cache))
+        outs.append(layer(x[:, t : t + n], cache=cache))
         t += n
     assert rel_err(torch.cat(outs, dim=1), layer(x, absorbed=False)) < TOL[dtype]
 
@@ -210,10 +212,10 @@ def test_perturbing_future_tokens_leaves_earlier_outputs_unchanged(absorbed: boo
     T, t = 16, 9
     x = torch.randn(2, T, layer.hidden_size, dtype=torch.float64)
     x2 = x.clone()
-    x2[:, t + 1:] += torch.randn_like(x2[:, t + 1:])
+    x2[:, t + 1 :] += torch.randn_like(x2[:, t + 1 :])
     y, y2 = layer(x, absorbed=absorbed), layer(x2, absorbed=absorbed)
-    torch.testing.assert_close(y2[:, :t + 1], y[:, :t + 1], rtol=0, atol=1e-14)
-    assert (y2[:, t + 1:] - y[:, t + 1:]).abs().min() > 0
+    torch.testing.assert_close(y2[:, : t + 1], y[:, : t + 1], rtol=0, atol=1e-14)
+    assert (y2[:, t + 1 :] - y[:, t + 1 :]).abs().min() > 0
 
 
 @pytest.mark.parametrize("absorbed", [False, True], ids=["naive", "absorbed"])
@@ -272,9 +274,14 @@ def test_parameter_names_and_shapes_follow_hf_keys() -> None:
     cfg = tiny_config()
     d, H, dn, dr, dv, rq, rkv = 256, 4, 32, 16, 32, 128, 64
     expected = {
-        "q_a_proj.weight": (rq, d), "q_a_layernorm.weight": (rq,), "q_b_proj.weight": (H * (dn + dr), rq),
-        "kv_a_proj_with_mqa.weight": (rkv + dr, d), "kv_a_layernorm.weight": (rkv,),
-        "kv_b_proj.weight": (H * (dn + dv), rkv), "o_proj.weight": (d, H * dv), "g_proj.weight": (H * dv, d),
+        "q_a_proj.weight": (rq, d),
+        "q_a_layernorm.weight": (rq,),
+        "q_b_proj.weight": (H * (dn + dr), rq),
+        "kv_a_proj_with_mqa.weight": (rkv + dr, d),
+        "kv_a_layernorm.weight": (rkv,),
+        "kv_b_proj.weight": (H * (dn + dv), rkv),
+        "o_proj.weight": (d, H * dv),
+        "g_proj.weight": (H * dv, d),
     }
     got = {k: tuple(v.shape) for k, v in GatedMLA(cfg, 3).state_dict().items()}
     assert got == expected
@@ -309,18 +316,21 @@ def test_bf16_forward_keeps_dtype_shape_and_tracks_fp32() -> None:
     assert y_bf.dtype == torch.bfloat16 and y_bf.shape == (2, 13, layer.hidden_size)
     assert rel_err(y_bf, y32) < 5e-2
     cache = MLACache()
-    y_dec = torch.cat([layer_bf(x[:, t:t + 1].to(torch.bfloat16), cache=cache) for t in range(13)], dim=1)
+    y_dec = torch.cat([layer_bf(x[:, t : t + 1].to(torch.bfloat16), cache=cache) for t in range(13)], dim=1)
     assert y_dec.dtype == torch.bfloat16 and cache.c_kv.dtype == torch.bfloat16
     assert rel_err(y_dec, y32) < 5e-2
 
 
-@pytest.mark.parametrize("case,match", [
-    ("wrong_width", "expects x of shape"),
-    ("batch_with_cu", "batch size 1"),
-    ("cu_and_cache", "both cu_seqlens and cache"),
-    ("cu_not_ending_at_T", "rise from 0 to T"),
-    ("cu_float", "int32/int64"),
-])
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        ("wrong_width", "expects x of shape"),
+        ("batch_with_cu", "batch size 1"),
+        ("cu_and_cache", "both cu_seqlens and cache"),
+        ("cu_not_ending_at_T", "rise from 0 to T"),
+        ("cu_float", "int32/int64"),
+    ],
+)
 def test_bad_input_raises_one_line_error(case: str, match: str) -> None:
     layer = make_layer()
     d = layer.hidden_size
@@ -343,8 +353,9 @@ def test_golden_checkpoint_mla_tensors_load_strictly(golden_tiny_dir) -> None:
 
     cfg = K3Config.from_hf_config(golden_tiny_dir)
     prefix = "language_model.model.layers.3.self_attn."
-    weights = {k[len(prefix):]: v for k, v in load_file(golden_tiny_dir / "model.safetensors").items()
-               if k.startswith(prefix)}
+    weights = {
+        k[len(prefix) :]: v for k, v in load_file(golden_tiny_dir / "model.safetensors").items() if k.startswith(prefix)
+    }
     layer = GatedMLA(cfg, layer_idx=3)
     layer.load_state_dict(weights, strict=True)  # names and shapes are exactly the released ones
     layer.double()

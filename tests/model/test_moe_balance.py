@@ -1,7 +1,7 @@
 """Balancing (docs/model.md §5, §10 item 11): Quantile Balancing (exact/histogram), sign updates, the aux loss, and
 layout invariance of the statistics (two simulated data-parallel ranks / micro-batches == one batch)."""
-from __future__ import annotations
 
+from __future__ import annotations
 
 import pytest
 import torch
@@ -12,8 +12,15 @@ from model.moe.router import Router, select_experts
 
 
 def _balancer(mode="quantile", estimator="exact", E=16, k=2, **kw) -> Balancer:
-    cfg = K3Config.preset("tiny", hidden_size=32, num_experts=E, num_experts_per_token=k, moe_balance=mode,
-                          moe_balance_estimator=estimator, **kw)
+    cfg = K3Config.preset(
+        "tiny",
+        hidden_size=32,
+        num_experts=E,
+        num_experts_per_token=k,
+        moe_balance=mode,
+        moe_balance_estimator=estimator,
+        **kw,
+    )
     return Balancer(cfg, Router(cfg))
 
 
@@ -134,6 +141,7 @@ def test_aux_loss_gradient_matches_finite_differences():
 
 def test_layer_returns_differentiable_aux_loss_in_aux_mode():
     from model.moe.layer import LatentMoE
+
     cfg = K3Config.preset("tiny", moe_balance="aux", moe_aux_loss_coef=0.01)
     moe = LatentMoE(cfg, 1).train()
     _, stats = moe(torch.randn(2, 5, cfg.hidden_size))
@@ -167,6 +175,7 @@ def test_statistics_split_over_ranks_and_micro_batches_give_the_one_batch_bias(m
 
 def test_eval_forward_returns_counts_only_and_moves_nothing():
     from model.moe.layer import LatentMoE
+
     cfg = K3Config.preset("tiny")
     moe = LatentMoE(cfg, 1)
     x = torch.randn(2, 8, cfg.hidden_size)

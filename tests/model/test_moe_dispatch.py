@@ -1,4 +1,5 @@
 """Dropless dispatch + latent experts vs a naive per-token reference (fp64), hand-written backward vs autograd."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,8 +13,14 @@ B1, B2 = 4.0, 25.0
 
 
 def _experts(E=6, Im=10, l=7, **kw) -> LatentExperts:
-    cfg = K3Config.preset("tiny", num_experts=E, num_experts_per_token=min(3, E), moe_intermediate_size=Im,
-                          routed_expert_hidden_size=l, **kw)
+    cfg = K3Config.preset(
+        "tiny",
+        num_experts=E,
+        num_experts_per_token=min(3, E),
+        moe_intermediate_size=Im,
+        routed_expert_hidden_size=l,
+        **kw,
+    )
     ex = LatentExperts(cfg).double()
     with torch.no_grad():  # bigger weights so SiTU/cap leave their linear regime
         for w in (ex.w1, ex.w3, ex.w2):
@@ -100,9 +107,15 @@ def test_gradcheck_local_dispatch_tiny(recompute):
     idx = torch.tensor([[0, 2], [2, 1], [0, 1], [2, 0], [2, 1]])
     w = torch.rand(5, 2, dtype=torch.float64, requires_grad=True)
     from model.moe.dispatch import _LocalMoE
+
     fn = lambda z_, w_, w1, w3, w2: _LocalMoE.apply(z_, w_, w1, w3, w2, idx, B1, B2, recompute)  # noqa: E731
-    inputs = (z, w, ex.w1.detach().clone().requires_grad_(), ex.w3.detach().clone().requires_grad_(),
-              ex.w2.detach().clone().requires_grad_())
+    inputs = (
+        z,
+        w,
+        ex.w1.detach().clone().requires_grad_(),
+        ex.w3.detach().clone().requires_grad_(),
+        ex.w2.detach().clone().requires_grad_(),
+    )
     assert torch.autograd.gradcheck(fn, inputs)
 
 
@@ -166,8 +179,9 @@ def test_local_dispatcher_refuses_partial_expert_set():
     cfg = K3Config.preset("tiny")
     ex = LatentExperts(cfg, num_local=4, expert_offset=4)
     with pytest.raises(ValueError, match="expert-parallel dispatcher"):
-        LocalDispatcher()(torch.randn(2, cfg.routed_expert_hidden_size), torch.zeros(2, 2, dtype=torch.long),
-                          torch.ones(2, 2), ex)
+        LocalDispatcher()(
+            torch.randn(2, cfg.routed_expert_hidden_size), torch.zeros(2, 2, dtype=torch.long), torch.ones(2, 2), ex
+        )
 
 
 def test_bf16_path_runs_and_tracks_fp64():
@@ -187,6 +201,7 @@ def test_bf16_path_runs_and_tracks_fp64():
 
 def test_expert_blocks_cover_every_row_once_in_order():
     from model.moe.experts import expert_blocks
+
     counts = [0, 5, 1, 0, 12, 2, 2, 7]
     blocks = expert_blocks(counts, block_rows=4)
     pieces = [(start + o, e, m, first) for start, rows, ps in blocks for e, o, m, first in ps]
@@ -219,6 +234,7 @@ def test_blocks_and_split_experts_match_reference_fp64(monkeypatch, recompute):
     """Tiny blocks: small experts share a block, the busy expert is split in pieces whose weight gradients
     accumulate; forward and every gradient still equal the per-token reference."""
     import model.moe.experts as experts_mod
+
     monkeypatch.setattr(experts_mod, "BLOCK_ROWS", 5)
     ex = _experts(E=6)
     N = 23
@@ -230,6 +246,7 @@ def test_blocks_and_split_experts_match_reference_fp64(monkeypatch, recompute):
 def test_balanced_routing_grouped_bmm_path_matches_reference_fp64(monkeypatch, recompute):
     """Equal loads: blocks of equal-sized consecutive experts run their GEMMs as one bmm."""
     import model.moe.experts as experts_mod
+
     monkeypatch.setattr(experts_mod, "BLOCK_ROWS", 12)
     ex = _experts(E=6)
     N, K = 18, 2
@@ -244,6 +261,7 @@ def test_combine_sorted_is_bitwise_combine_slots_of_the_gathered_copy():
     """The local path combines slot by slot from the grouped rows; the all-to-all path gathers [N, K, l] first:
     both must give the same bits."""
     from model.moe.dispatch import combine_slots, combine_sorted, sum_sorted
+
     N, K, L = 37, 3, 16
     idx, w = _routing(N, 6, K)
     order, inverse, _ = sort_by_expert(idx, 6)

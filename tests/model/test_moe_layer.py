@@ -1,5 +1,6 @@
 """LatentMoE as a whole (docs/model.md §5, §10 items 9-10): the composed formula, latent norm, shapes, stats,
 meta build."""
+
 from __future__ import annotations
 
 import torch
@@ -11,8 +12,14 @@ B1, B2 = 4.0, 25.0
 
 
 def _cfg(**kw) -> K3Config:
-    base = dict(hidden_size=24, num_experts=6, num_experts_per_token=3, num_shared_experts=2,
-                moe_intermediate_size=10, routed_expert_hidden_size=8)
+    base = dict(
+        hidden_size=24,
+        num_experts=6,
+        num_experts_per_token=3,
+        num_shared_experts=2,
+        moe_intermediate_size=10,
+        routed_expert_hidden_size=8,
+    )
     base.update(kw)
     return K3Config.preset("tiny", **base)
 
@@ -35,8 +42,9 @@ def _reference(moe: LatentMoE, x_ND: torch.Tensor) -> torch.Tensor:
         u = sum(p[k] * _glu(z, ex.w1[j], ex.w3[j], ex.w2[j]) for k, j in enumerate(I))
         u = u / torch.sqrt((u * u).mean() + moe.routed_expert_norm.eps) * moe.routed_expert_norm.weight
         sh = moe.shared_experts
-        out.append(moe.routed_expert_up_proj.weight @ u + _glu(x, sh.gate_proj.weight, sh.up_proj.weight,
-                                                                sh.down_proj.weight))
+        out.append(
+            moe.routed_expert_up_proj.weight @ u + _glu(x, sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight)
+        )
     return torch.stack(out)
 
 
@@ -87,8 +95,9 @@ def test_equal_scores_and_equal_experts_give_expert_of_latent():
         x = torch.randn(1, 5, 24, dtype=torch.float64)
         y, _ = moe(x)
         z = x.view(5, 24) @ moe.routed_expert_down_proj.weight.t()
-        torch.testing.assert_close(y.view(5, 24), moe.experts.expert(0, z) @ moe.routed_expert_up_proj.weight.t(),
-                                   rtol=0, atol=1e-13)
+        torch.testing.assert_close(
+            y.view(5, 24), moe.experts.expert(0, z) @ moe.routed_expert_up_proj.weight.t(), rtol=0, atol=1e-13
+        )
 
 
 def test_router_stats_count_every_assignment():

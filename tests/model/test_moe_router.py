@@ -1,4 +1,5 @@
 """Router (docs/model.md §5, §10 item 9): sigmoid scores, bias-corrected selection, unbiased renormalised weights."""
+
 from __future__ import annotations
 
 import torch
@@ -8,8 +9,9 @@ from model.moe.router import Router, select_experts
 
 
 def _cfg(**kw) -> K3Config:
-    base = dict(hidden_size=32, num_experts=8, num_experts_per_token=2, moe_intermediate_size=16,
-                routed_expert_hidden_size=24)
+    base = dict(
+        hidden_size=32, num_experts=8, num_experts_per_token=2, moe_intermediate_size=16, routed_expert_hidden_size=24
+    )
     base.update(kw)
     return K3Config.preset("tiny", **base)
 
@@ -79,7 +81,7 @@ def _grouped_reference(biased: torch.Tensor, k: int, groups: int, topk_group: in
     out = []
     for n in range(N):
         row = biased[n].tolist()
-        gscore = [sum(sorted(row[g * per:(g + 1) * per], reverse=True)[:2]) for g in range(groups)]
+        gscore = [sum(sorted(row[g * per : (g + 1) * per], reverse=True)[:2]) for g in range(groups)]
         keep = sorted(range(groups), key=lambda g: (-gscore[g], g))[:topk_group]
         cand = [e for e in range(E) if e // per in keep]
         out.append(sorted(cand, key=lambda e: (-row[e], e))[:k])

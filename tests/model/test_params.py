@@ -1,4 +1,5 @@
 """Parameter counts from the real modules on the meta device (docs/model.md §8, §9, §10 item 15; issue 2 §4)."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,8 +18,7 @@ def test_k3_counts_match_the_published_totals():
     assert count_params(K3Config.preset("k3")) == (2_779_484_476_000, 104_189_612_640)
 
 
-@pytest.mark.parametrize("name, total, active", [("tiny", 10_008_528, 6_895_568),
-                                                 ("small", 274_111_912, 125_083_048)])
+@pytest.mark.parametrize("name, total, active", [("tiny", 10_008_528, 6_895_568), ("small", 274_111_912, 125_083_048)])
 def test_small_presets_match_spec_section_9(name, total, active):
     assert count_params(K3Config.preset(name)) == (total, active)
 
@@ -37,9 +37,24 @@ def test_k3_breakdown_matches_the_spec_component_table(k3_meta):
     assert b["moe_router"] == 92 * 6_423_424 and b["moe_shared_experts"] == 92 * 132_120_576
     assert b["moe_latent_proj_norm"] == 92 * 51_383_808
     assert b["layer_norms_attn_res"] + b["final_norm_attn_res"] == 4_021_248
-    parts = [v for k, v in b.items() if k in ("embedding", "lm_head", "kda", "mla", "dense_ffn", "moe_router",
-                                              "moe_routed_experts", "moe_shared_experts", "moe_latent_proj_norm",
-                                              "layer_norms_attn_res", "final_norm_attn_res")]
+    parts = [
+        v
+        for k, v in b.items()
+        if k
+        in (
+            "embedding",
+            "lm_head",
+            "kda",
+            "mla",
+            "dense_ffn",
+            "moe_router",
+            "moe_routed_experts",
+            "moe_shared_experts",
+            "moe_latent_proj_norm",
+            "layer_norms_attn_res",
+            "final_norm_attn_res",
+        )
+    ]
     assert sum(parts) == b["total"]
     assert b["active_incl_embedding"] == 105_364_017_760
 

@@ -2,6 +2,7 @@
 
 Cold (no .cache/mypy) it takes ~30 s on one core, almost all of it reading torch's annotations; warm ~1 s.
 """
+
 from __future__ import annotations
 
 import subprocess

@@ -1,4 +1,5 @@
 """Fixtures shared by the training tests."""
+
 from __future__ import annotations
 
 import os
@@ -14,8 +15,21 @@ def real_run(tmp_path_factory):
     run_dir = tmp_path_factory.getbasetemp() / "k3_real_tiny_run"
     if not (run_dir / "summary.json").is_file():
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-        r = subprocess.run([sys.executable, "-m", "training.train", "experiment=tiny_ci", f"run_dir={run_dir}",
-                            "logging.mode=disabled", "train.steps=4", "logging.heatmap_every=2"],
-                           env=env, capture_output=True, text=True, timeout=600)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "training.train",
+                "experiment=tiny_ci",
+                f"run_dir={run_dir}",
+                "logging.mode=disabled",
+                "train.steps=4",
+                "logging.heatmap_every=2",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert r.returncode == 0, r.stderr[-2000:]
     return run_dir

@@ -5,9 +5,9 @@ Every rank builds the same global batch and full experts (seeded), keeps its con
 its E/2 experts, runs AllToAllDispatcher forward+backward and compares with LocalDispatcher on the whole batch.
 Writes <out_dir>/rank<r>.pt: {case: {"out": err, "grad_z": err, "grad_w": err, "grad_experts": err, ...}}.
 """
+
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -38,8 +38,9 @@ def routing(kind: str, N: int, gen: torch.Generator) -> torch.Tensor:
 
 def run_case(kind: str, dtype: torch.dtype, shares: list[int], rank: int) -> dict[str, float]:
     gen = torch.Generator().manual_seed(1234)
-    cfg = K3Config.preset("tiny", num_experts=E, num_experts_per_token=K, routed_expert_hidden_size=L,
-                          moe_intermediate_size=24)
+    cfg = K3Config.preset(
+        "tiny", num_experts=E, num_experts_per_token=K, routed_expert_hidden_size=L, moe_intermediate_size=24
+    )
     torch.manual_seed(0)
     full = LatentExperts(cfg).to(dtype)
     N = sum(shares)
@@ -60,7 +61,7 @@ def run_case(kind: str, dtype: torch.dtype, shares: list[int], rank: int) -> dic
     local = LatentExperts(cfg, num_local=El, expert_offset=rank * El).to(dtype)
     with torch.no_grad():
         for w in ("w1", "w3", "w2"):
-            getattr(local, w).copy_(getattr(full, w)[rank * El:(rank + 1) * El])
+            getattr(local, w).copy_(getattr(full, w)[rank * El : (rank + 1) * El])
     z, w = z_NL[sl].clone().requires_grad_(), w_NK[sl].clone().requires_grad_()
     disp = AllToAllDispatcher(E)
     u = disp(z, idx_NK[sl], w, local)
@@ -69,15 +70,24 @@ def run_case(kind: str, dtype: torch.dtype, shares: list[int], rank: int) -> dic
     def err(a: torch.Tensor, b: torch.Tensor) -> float:
         return float((a.detach().double() - b.detach().double()).abs().max()) if a.numel() else 0.0
 
-    out = {"out": err(u, u_ref[sl]), "grad_z": err(z.grad, z_ref.grad[sl]), "grad_w": err(w.grad, w_ref.grad[sl]),
-           "bytes_sent": float(disp.bytes_sent), "rows": float(shares[rank] * K)}
-    out["grad_experts"] = max(err(getattr(local, n).grad, getattr(full, n).grad[rank * El:(rank + 1) * El])
-                              for n in ("w1", "w3", "w2"))
+    out = {
+        "out": err(u, u_ref[sl]),
+        "grad_z": err(z.grad, z_ref.grad[sl]),
+        "grad_w": err(w.grad, w_ref.grad[sl]),
+        "bytes_sent": float(disp.bytes_sent),
+        "rows": float(shares[rank] * K),
+    }
+    out["grad_experts"] = max(
+        err(getattr(local, n).grad, getattr(full, n).grad[rank * El : (rank + 1) * El]) for n in ("w1", "w3", "w2")
+    )
     out["bitwise_forward"] = float(torch.equal(u, u_ref[sl]))
-    experts_equal = all(torch.equal(getattr(local, n).grad, getattr(full, n).grad[rank * El:(rank + 1) * El])
-                        for n in ("w1", "w3", "w2"))
-    out["bitwise_backward"] = float(torch.equal(z.grad, z_ref.grad[sl]) and torch.equal(w.grad, w_ref.grad[sl])
-                                    and experts_equal)
+    experts_equal = all(
+        torch.equal(getattr(local, n).grad, getattr(full, n).grad[rank * El : (rank + 1) * El])
+        for n in ("w1", "w3", "w2")
+    )
+    out["bitwise_backward"] = float(
+        torch.equal(z.grad, z_ref.grad[sl]) and torch.equal(w.grad, w_ref.grad[sl]) and experts_equal
+    )
     return out
 
 

@@ -2,6 +2,7 @@
 
 One 2-process run (module fixture) covers every routing case; each test checks one property of it.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,10 +31,19 @@ def results(tmp_path_factory) -> list[dict]:
     port = str(_free_port())
     procs = []
     for r in range(2):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                   OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(out)], env=env, cwd=REPO,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env = dict(
+            os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1"
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), str(out)],
+                env=env,
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     logs = [p.communicate(timeout=120)[0] for p in procs]
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-3000:]

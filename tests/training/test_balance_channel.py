@@ -1,5 +1,6 @@
 """One channel for routing statistics: a step's micro-batches merge, reduce once over 2 real gloo ranks, and the
 balancers then set exactly the bias one process computes for the whole global batch."""
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,9 @@ E, K, LAYERS = 8, 2, 2
 
 
 def _balancers(estimator: str) -> list[Balancer]:
-    cfg = K3Config.preset("tiny", hidden_size=32, num_experts=E, num_experts_per_token=K,
-                          moe_balance_estimator=estimator)
+    cfg = K3Config.preset(
+        "tiny", hidden_size=32, num_experts=E, num_experts_per_token=K, moe_balance_estimator=estimator
+    )
     return [Balancer(cfg, Router(cfg)) for _ in range(LAYERS)]
 
 
@@ -34,8 +36,12 @@ def _scores(seed: int, n: int) -> torch.Tensor:
 def _route(bals: list[Balancer], parts: list[torch.Tensor], reducer) -> tuple[list[torch.Tensor], torch.Tensor]:
     routing = StepRouting()
     for scores in parts:  # micro-batches: every layer sees the same tokens
-        routing.add([RouterStats(b.observe(scores, select_experts(scores, b.bias, K)[0]), None, len(scores), i)
-                     for i, b in enumerate(bals)])
+        routing.add(
+            [
+                RouterStats(b.observe(scores, select_experts(scores, b.bias, K)[0]), None, len(scores), i)
+                for i, b in enumerate(bals)
+            ]
+        )
     stats = routing.reduce_global(reducer)
     for b, s in zip(bals, stats):
         b.update(s)

@@ -1,6 +1,7 @@
 """Checkpoint bookkeeping: only COMPLETE checkpoints count, `latest` is the authority (newer ones are orphans),
 keep-last-N never deletes the checkpoint `latest` names, corrupt ones are moved aside, RNG round trip, and the run
 identity that decides whether a checkpoint belongs to the run being started."""
+
 from __future__ import annotations
 
 import json

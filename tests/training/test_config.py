@@ -1,4 +1,5 @@
 """Hydra configuration: every group composes, typos fail at compose time, cross-key validation is one line."""
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,9 @@ def group_options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
 
-@pytest.mark.parametrize("group", ["model", "data", "optim", "schedule", "deepspeed", "parallel", "logging",
-                                   "experiment"])
+@pytest.mark.parametrize(
+    "group", ["model", "data", "optim", "schedule", "deepspeed", "parallel", "logging", "experiment"]
+)
 def test_every_group_option_composes_and_validates(group):
     options = group_options(group)
     assert options, f"conf/{group}/ is empty"
@@ -48,9 +50,22 @@ def test_group_selection_reaches_the_typed_config():
 
 
 def test_interface_overrides_are_typed_keys():
-    cfg = compose(["train.steps=7", "train.seed=3", "train.seq_len=32", "train.micro_batch_size=2",
-                   "train.grad_accum=3", "checkpoint.every=5", "checkpoint.resume=none", "logging.mode=disabled",
-                   "logging.every=2", "run_dir=/tmp/x", "model.moe_balance=sign", "parallel.ep_size=2"])
+    cfg = compose(
+        [
+            "train.steps=7",
+            "train.seed=3",
+            "train.seq_len=32",
+            "train.micro_batch_size=2",
+            "train.grad_accum=3",
+            "checkpoint.every=5",
+            "checkpoint.resume=none",
+            "logging.mode=disabled",
+            "logging.every=2",
+            "run_dir=/tmp/x",
+            "model.moe_balance=sign",
+            "parallel.ep_size=2",
+        ]
+    )
     assert (cfg.train.steps, cfg.train.grad_accum, cfg.checkpoint.every, cfg.run_dir) == (7, 3, 5, "/tmp/x")
     assert build_model_config(cfg).moe_balance == "sign"
     assert global_batch_rows(cfg, world_size=2) == 2 * 3 * 2
@@ -75,9 +90,17 @@ def test_wrong_type_fails_at_compose_time():
     assert isinstance(e.value.__cause__, ValidationError) or "steps" in str(e.value.__cause__)
 
 
-@pytest.mark.parametrize("override", ["model.moe_balance=magic", "model.moe_balance_estimator=guess",
-                                      "train.precision=fp8", "optim.name=sgd", "schedule.name=linear",
-                                      "logging.mode=loud"])
+@pytest.mark.parametrize(
+    "override",
+    [
+        "model.moe_balance=magic",
+        "model.moe_balance_estimator=guess",
+        "train.precision=fp8",
+        "optim.name=sgd",
+        "schedule.name=linear",
+        "logging.mode=loud",
+    ],
+)
 def test_choice_outside_its_enum_fails_at_compose_time(override):
     with pytest.raises(ConfigCompositionException) as e:
         compose([override])
@@ -96,19 +119,22 @@ def test_unknown_model_field_fails_at_compose_time():
         compose(["model.num_layerz=3"])
 
 
-@pytest.mark.parametrize("overrides,world,needle", [
-    (["train.micro_batch_size=0"], 1, "train.micro_batch_size"),
-    (["model.preset=huge"], 1, "unknown model preset"),
-    (["model.num_experts_per_token=99"], 1, "num_experts_per_token"),
-    (["parallel.ep_size=3"], 2, "must divide the world size"),
-    (["parallel.ep_size=2", "model.num_experts=3", "model.num_experts_per_token=1"], 2, "model.num_experts"),
-    (["optim=muon", "deepspeed=zero2"], 1, "deepspeed=zero0"),
-    (["optim=muon", "deepspeed=zero2_offload"], 1, "offload"),
-    (["deepspeed=zero0", "deepspeed.offload_optimizer=true"], 1, "ZeRO stage >= 1"),
-    (["train.seq_len=4096", "model.max_position_embeddings=1024"], 1, "max_position_embeddings"),
-    (["checkpoint.resume=/nonexistent/ckpt"], 1, "checkpoint.resume"),
-    (["model.init_from=/nonexistent/hf"], 1, "model.init_from"),
-])
+@pytest.mark.parametrize(
+    "overrides,world,needle",
+    [
+        (["train.micro_batch_size=0"], 1, "train.micro_batch_size"),
+        (["model.preset=huge"], 1, "unknown model preset"),
+        (["model.num_experts_per_token=99"], 1, "num_experts_per_token"),
+        (["parallel.ep_size=3"], 2, "must divide the world size"),
+        (["parallel.ep_size=2", "model.num_experts=3", "model.num_experts_per_token=1"], 2, "model.num_experts"),
+        (["optim=muon", "deepspeed=zero2"], 1, "deepspeed=zero0"),
+        (["optim=muon", "deepspeed=zero2_offload"], 1, "offload"),
+        (["deepspeed=zero0", "deepspeed.offload_optimizer=true"], 1, "ZeRO stage >= 1"),
+        (["train.seq_len=4096", "model.max_position_embeddings=1024"], 1, "max_position_embeddings"),
+        (["checkpoint.resume=/nonexistent/ckpt"], 1, "checkpoint.resume"),
+        (["model.init_from=/nonexistent/hf"], 1, "model.init_from"),
+    ],
+)
 def test_cross_key_errors_are_one_line(overrides, world, needle):
     with pytest.raises(TrainConfigError) as e:
         validate(compose(overrides), world)
@@ -122,8 +148,14 @@ def test_bad_config_exits_nonzero_with_one_line_and_touches_nothing(tmp_path):
     (run_dir / "checkpoints" / "latest").write_text("step_00000003")
     env = dict(os.environ, DS_ACCELERATOR="cpu", WANDB_MODE="disabled")
     env.pop("RANK", None)
-    p = subprocess.run([sys.executable, "-m", "training.train", f"run_dir={run_dir}", "train.grad_accum=0"],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "training.train", f"run_dir={run_dir}", "train.grad_accum=0"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 2
     lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
     assert lines[-1].startswith("error: train.grad_accum"), p.stderr

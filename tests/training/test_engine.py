@@ -1,10 +1,8 @@
 """DeepSpeed JSON generation, LR schedules and optimizer parameter groups."""
+
 from __future__ import annotations
 
-import math
-
 import pytest
-import torch
 from torch import nn
 
 from training.config import compose
@@ -12,8 +10,15 @@ from training.engine import build_ds_config, lr_lambda, param_groups
 
 
 def test_ds_json_batch_arithmetic_precision_clipping_and_zero():
-    cfg = compose(["train.micro_batch_size=3", "train.grad_accum=4", "train.grad_clip=0.5", "deepspeed=zero1",
-                   "train.precision=fp32"])
+    cfg = compose(
+        [
+            "train.micro_batch_size=3",
+            "train.grad_accum=4",
+            "train.grad_clip=0.5",
+            "deepspeed=zero1",
+            "train.precision=fp32",
+        ]
+    )
     ds = build_ds_config(cfg, world_size=2)
     assert "train_batch_size" not in ds  # DeepSpeed derives it: the JSON is valid for any world size
     assert ds["train_micro_batch_size_per_gpu"] == 3 and ds["gradient_accumulation_steps"] == 4
@@ -35,8 +40,14 @@ def test_ds_json_offload_uses_deepspeed_optimizer():
 
 
 def test_any_deepspeed_key_overridable_from_the_command_line():
-    cfg = compose(["deepspeed=zero2", "+deepspeed.extra.zero_optimization.reduce_bucket_size=1000",
-                   "+deepspeed.extra.steps_per_print=7", "+deepspeed.extra.gradient_clipping=2.0"])
+    cfg = compose(
+        [
+            "deepspeed=zero2",
+            "+deepspeed.extra.zero_optimization.reduce_bucket_size=1000",
+            "+deepspeed.extra.steps_per_print=7",
+            "+deepspeed.extra.gradient_clipping=2.0",
+        ]
+    )
     ds = build_ds_config(cfg, world_size=1)
     assert ds["zero_optimization"]["reduce_bucket_size"] == 1000
     assert ds["zero_optimization"]["stage"] == 2  # deep merge keeps the siblings

@@ -1,4 +1,5 @@
 """Muon optimizer (training/optim/muon.py): orthogonalisation maths and a tiny optimisation problem."""
+
 from __future__ import annotations
 
 import torch
@@ -27,7 +28,7 @@ def test_per_head_orthogonalisation_equals_loop_over_heads():
     H, K, D = 3, 4, 10
     g = torch.randn(H * K, D, dtype=torch.float64)
     got = orthogonalise(g, heads=H, steps=5)
-    ref = torch.cat([newton_schulz(g[h * K:(h + 1) * K], 5) for h in range(H)])
+    ref = torch.cat([newton_schulz(g[h * K : (h + 1) * K], 5) for h in range(H)])
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
     whole = orthogonalise(g, heads=None, steps=5)
     assert (whole - got).abs().max() > 1e-3  # per head is not the whole-matrix map

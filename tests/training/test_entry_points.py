@@ -1,5 +1,6 @@
 """The console entry points (k3-train, k3-plan, k3-report, k3-export, k3-generate) and `python -m training.*`
 work from any working directory, even one holding its own data/ and model/ folders."""
+
 from __future__ import annotations
 
 import os
@@ -36,8 +37,10 @@ def test_planner_runs_from_a_directory_with_its_own_data_and_model_folders(cmd, 
 
 def test_train_report_export_generate_entry_points_from_a_foreign_directory(foreign_cwd):
     run = foreign_cwd / "runs" / "tiny"
-    p = _run([str(BIN / "k3-train"), "experiment=tiny_ci", "train.steps=2", f"run_dir={run}",
-              "logging.mode=disabled"], foreign_cwd)
+    p = _run(
+        [str(BIN / "k3-train"), "experiment=tiny_ci", "train.steps=2", f"run_dir={run}", "logging.mode=disabled"],
+        foreign_cwd,
+    )
     assert p.returncode == 0 and (run / "summary.json").is_file(), p.stderr[-2000:]
     p = _run([str(BIN / "k3-report"), str(run)], foreign_cwd)
     assert p.returncode == 0 and (run / "report" / "index.html").is_file(), p.stderr[-2000:]

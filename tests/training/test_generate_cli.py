@@ -1,4 +1,5 @@
 """Generation CLI: loads an HF export or a DeepSpeed checkpoint with its tokenizer, streams, reports tokens/s."""
+
 from __future__ import annotations
 
 import os
@@ -33,7 +34,7 @@ def test_greedy_stream_is_the_decoded_continuation(hf_export, capsys):
     tok = Tokenizer.load(os.path.join(hf_export, "tokenizer.model"))
     model = load_hf_checkpoint(hf_export)
     ids = tok.encode("def add(a, b):")  # the run trained without data.add_bos: no BOS in front
-    ref = generate(model, torch.tensor([ids]), 6, eos_token_id=tok.eos_id)[0, len(ids):].tolist()
+    ref = generate(model, torch.tensor([ids]), 6, eos_token_id=tok.eos_id)[0, len(ids) :].tolist()
     assert out == "def add(a, b):" + tok.decode(ref) + "\n"
 
 
@@ -74,12 +75,15 @@ def test_checkpoint_may_be_given_as_the_first_positional_argument(hf_export, cap
     assert rc == 0 and out.startswith("1 2 3")
 
 
-@pytest.mark.parametrize("args,fragment", [
-    ((), "checkpoint=<...> is required"),
-    (("checkpoint", "extra"), "is not key=value"),
-    (("checkpoint=/nonexistent/x",), "does not exist"),
-    (("checkpoint=.", "temprature=1"), "unknown key 'temprature'"),
-])
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        ((), "checkpoint=<...> is required"),
+        (("checkpoint", "extra"), "is not key=value"),
+        (("checkpoint=/nonexistent/x",), "does not exist"),
+        (("checkpoint=.", "temprature=1"), "unknown key 'temprature'"),
+    ],
+)
 def test_bad_arguments_are_one_line_errors(args, fragment, capsys):
     rc, _, err = _run(capsys, *args)
     assert rc == 2 and fragment in err and len(err.strip().splitlines()) == 1

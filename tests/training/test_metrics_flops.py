@@ -1,10 +1,10 @@
 """FLOPs-per-token formula, MFU definition and the peak-FLOP/s probe/cache."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
-import torch
 
 from model.config import K3Config
 from training.metrics import flops as F
@@ -113,9 +113,14 @@ def test_matmul_params_equal_the_real_models_matrices(preset):
 
     cfg = K3Config.preset(preset)
     model = build_meta(cfg)
-    total = sum(p.numel() for n, p in model.named_parameters()
-                if p.dim() >= 2 and "embed_tokens" not in n and "_res_proj" not in n)
-    inactive = sum((cfg.num_experts - cfg.num_experts_per_token) * sum(getattr(m.experts, w)[0].numel()
-                                                                          for w in ("w1", "w2", "w3"))
-                   for m in model.moe_layers())
+    total = sum(
+        p.numel()
+        for n, p in model.named_parameters()
+        if p.dim() >= 2 and "embed_tokens" not in n and "_res_proj" not in n
+    )
+    inactive = sum(
+        (cfg.num_experts - cfg.num_experts_per_token)
+        * sum(getattr(m.experts, w)[0].numel() for w in ("w1", "w2", "w3"))
+        for m in model.moe_layers()
+    )
     assert F.matmul_params_active(cfg) == total - inactive

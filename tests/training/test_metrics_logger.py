@@ -1,4 +1,5 @@
 """RunLogger: metrics.jsonl contract, offline W&B run contents, resume, heatmap key cap, secrets, rank gating."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,14 @@ REQUIRED = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu")
 
 
 def _step_metrics(step: int, counts: torch.Tensor) -> dict:
-    return {"loss": 5.0 / step, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 1234.0, "mfu": 0.01,
-            **router_metrics(counts, torch.zeros(counts.shape), list(range(1, counts.shape[0] + 1)))}
+    return {
+        "loss": 5.0 / step,
+        "lr": 1e-3,
+        "grad_norm": 0.5,
+        "tokens_per_s": 1234.0,
+        "mfu": 0.01,
+        **router_metrics(counts, torch.zeros(counts.shape), list(range(1, counts.shape[0] + 1))),
+    }
 
 
 def _log_steps(logger: RunLogger, steps, counts):
@@ -81,10 +88,22 @@ def test_secrets_never_reach_the_run_dir(offline_run):
 
 
 def test_scrub_secrets_keeps_ordinary_keys():
-    out = scrub_secrets({"wandb_api_key": "x", "tokenizer": "t.model", "tokens_per_s": 3, "nested": [{"password": 1}],
-                         "secret": {"inner": "y"}})
-    assert out == {"wandb_api_key": "<redacted>", "tokenizer": "t.model", "tokens_per_s": 3,
-                   "nested": [{"password": "<redacted>"}], "secret": {"inner": "y"}}
+    out = scrub_secrets(
+        {
+            "wandb_api_key": "x",
+            "tokenizer": "t.model",
+            "tokens_per_s": 3,
+            "nested": [{"password": 1}],
+            "secret": {"inner": "y"},
+        }
+    )
+    assert out == {
+        "wandb_api_key": "<redacted>",
+        "tokenizer": "t.model",
+        "tokens_per_s": 3,
+        "nested": [{"password": "<redacted>"}],
+        "secret": {"inner": "y"},
+    }
 
 
 def test_heatmap_at_k3_scale_is_one_capped_image_not_82k_keys(tmp_path):

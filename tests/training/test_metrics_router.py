@@ -1,4 +1,5 @@
 """Router-balance metrics: each value against its definition computed the slow way."""
+
 from __future__ import annotations
 
 import math

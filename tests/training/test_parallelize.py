@@ -4,6 +4,7 @@ Every combination DeepSpeed 0.19.8 refuses with AutoEP + ZeRO-3 (engine._validat
 _save_moe_checkpoint) must stop in `validate`, before any process group starts, with one line naming the
 combination and the alternative.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -15,17 +16,26 @@ from training.parallelize import LayoutError, check_layout
 Z3EP = ["deepspeed=zero3", "parallel.ep_size=2"]
 
 
-@pytest.mark.parametrize("extra,needle,alternative", [
-    (["+deepspeed.extra.sequence_parallel_size=2"], "sequence parallelism", "deepspeed=zero2"),
-    (["+deepspeed.extra.zero_optimization.zero_hpz_partition_size=2"], "hpZ", "parallel.ep_size=1"),
-    (["+deepspeed.extra.zero_optimization.zero_quantized_gradients=true"], "qgZ/LoCo", "drop"),
-    (["+deepspeed.extra.zero_optimization.zeropp_loco_param={err_beta: 0.8}"], "qgZ/LoCo", "drop"),
-    (["+deepspeed.extra.zero_optimization.mics_shard_size=2"], "MiCS", "drop mics_shard_size"),
-    (["+deepspeed.extra.expert_parallel.expert_tensor_parallel_size=2"], "expert_tensor_parallel_size=1",
-     "parallel.ep_size"),
-    (["+deepspeed.extra.zero_optimization.offload_optimizer={device: nvme, nvme_path: /tmp}"], "NVMe optimizer",
-     "deepspeed=zero3_offload"),
-])
+@pytest.mark.parametrize(
+    "extra,needle,alternative",
+    [
+        (["+deepspeed.extra.sequence_parallel_size=2"], "sequence parallelism", "deepspeed=zero2"),
+        (["+deepspeed.extra.zero_optimization.zero_hpz_partition_size=2"], "hpZ", "parallel.ep_size=1"),
+        (["+deepspeed.extra.zero_optimization.zero_quantized_gradients=true"], "qgZ/LoCo", "drop"),
+        (["+deepspeed.extra.zero_optimization.zeropp_loco_param={err_beta: 0.8}"], "qgZ/LoCo", "drop"),
+        (["+deepspeed.extra.zero_optimization.mics_shard_size=2"], "MiCS", "drop mics_shard_size"),
+        (
+            ["+deepspeed.extra.expert_parallel.expert_tensor_parallel_size=2"],
+            "expert_tensor_parallel_size=1",
+            "parallel.ep_size",
+        ),
+        (
+            ["+deepspeed.extra.zero_optimization.offload_optimizer={device: nvme, nvme_path: /tmp}"],
+            "NVMe optimizer",
+            "deepspeed=zero3_offload",
+        ),
+    ],
+)
 def test_zero3_ep_refusals_are_one_line_with_the_alternative(extra, needle, alternative):
     with pytest.raises(TrainConfigError) as e:
         validate(compose([*Z3EP, *extra]), 2)
@@ -33,8 +43,9 @@ def test_zero3_ep_refusals_are_one_line_with_the_alternative(extra, needle, alte
     assert needle in msg and alternative in msg and "parallel.ep_size=2" in msg and "\n" not in msg
 
 
-@pytest.mark.parametrize("layout", [Z3EP, ["deepspeed=zero3_offload", "parallel.ep_size=2"], ["deepspeed=zero2",
-                                                                                              "parallel.ep_size=2"]])
+@pytest.mark.parametrize(
+    "layout", [Z3EP, ["deepspeed=zero3_offload", "parallel.ep_size=2"], ["deepspeed=zero2", "parallel.ep_size=2"]]
+)
 def test_zero3_ep_and_offload_are_accepted(layout):
     assert validate(compose(layout), 2).num_experts == 8  # tiny preset
 

@@ -1,4 +1,5 @@
 """Planner: published K3 sizes, memory predictions vs tensors measured on real tiny models, ZeRO/EP arithmetic."""
+
 from __future__ import annotations
 
 import json
@@ -8,13 +9,21 @@ import torch
 
 from model.config import K3Config
 from model.k3 import causal_lm_loss
-from training.tools.activation_memory import activation_bytes, loss_backward_bytes
 from training.metrics.heap import HeapPeak, heap_supported
+from training.tools.activation_memory import activation_bytes, loss_backward_bytes
 from training.tools.plan import Hardware, Layout, from_overrides, main, plan
 
-K3 = ["model=k3", "deepspeed=zero3", "deepspeed.offload_optimizer=true", "parallel.ep_size=128",
-      "train.seq_len=4096", "train.micro_batch_size=1", "train.activation_checkpointing=true",
-      "plan.nodes=32", "plan.gpus_per_node=8"]
+K3 = [
+    "model=k3",
+    "deepspeed=zero3",
+    "deepspeed.offload_optimizer=true",
+    "parallel.ep_size=128",
+    "train.seq_len=4096",
+    "train.micro_batch_size=1",
+    "train.activation_checkpointing=true",
+    "plan.nodes=32",
+    "plan.gpus_per_node=8",
+]
 
 
 def _tiny(**kw) -> K3Config:
@@ -43,8 +52,9 @@ def test_k3_worked_example_fits_an_h200_and_is_a_layout_the_trainer_accepts(k3_p
 
 
 def test_k3_on_512_h200_fits_without_offload():
-    config, layout, hw, _, warnings = from_overrides([a for a in K3 if "offload" not in a and "nodes" not in a]
-                                                     + ["plan.nodes=64"])
+    config, layout, hw, _, warnings = from_overrides(
+        [a for a in K3 if "offload" not in a and "nodes" not in a] + ["plan.nodes=64"]
+    )
     p = plan(config, layout, hw, warnings=warnings)
     assert warnings == [] and p["fits"]["gpu"] and p["gpu_memory_gb"]["optimizer"] > 0
     assert p["params_per_gpu"]["expert"] == pytest.approx(p["model"]["expert_params"] / 512)
@@ -58,8 +68,11 @@ def _measured_states(model: torch.nn.Module) -> dict[str, int]:
     opt.step()
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     grads = (p.grad for p in model.parameters() if p.grad is not None)  # layer 0's AttnRes query is unused
-    return {"weights": nbytes(model.parameters()), "grads": nbytes(grads),
-            "optimizer": nbytes(v for st in opt.state.values() for v in st.values() if torch.is_tensor(v))}
+    return {
+        "weights": nbytes(model.parameters()),
+        "grads": nbytes(grads),
+        "optimizer": nbytes(v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)),
+    }
 
 
 @pytest.mark.parametrize("overrides", [{}, dict(num_experts=16, num_experts_per_token=4, num_hidden_layers=5)])
@@ -87,15 +100,18 @@ def _measured_activation_bytes(model: torch.nn.Module, B: int, T: int) -> int:
 
     ids = torch.randint(0, model.config.vocab_size, (B, T))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(ids, labels=ids).loss
+        _ = model(ids, labels=ids).loss
     return sum(seen.values())
 
 
-@pytest.mark.parametrize("preset,overrides,B,T", [
-    ("tiny", {}, 2, 64),
-    ("tiny", dict(attn_res_block_size=0, kda_chunk_size=16), 1, 97),
-    ("small", dict(num_hidden_layers=4, vocab_size=2048, hidden_size=256, intermediate_size=512), 1, 128),
-])
+@pytest.mark.parametrize(
+    "preset,overrides,B,T",
+    [
+        ("tiny", {}, 2, 64),
+        ("tiny", dict(attn_res_block_size=0, kda_chunk_size=16), 1, 97),
+        ("small", dict(num_hidden_layers=4, vocab_size=2048, hidden_size=256, intermediate_size=512), 1, 128),
+    ],
+)
 def test_activation_memory_within_10pct_of_saved_tensors(preset, overrides, B, T):
     from model.k3 import K3ForCausalLM
 
@@ -136,8 +152,9 @@ def test_fp32_zero0_peak_holds_activations_or_grads_not_both():
     assert g0["total"] == pytest.approx(rest + max(g0["activations"] + g0["loss_backward"], g0["grads"]))
     g1 = plan(cfg, Layout(zero_stage=1, precision="fp32", seq_len=1024, reduce_bucket_size=0), hw)["gpu_memory_gb"]
     assert g1["optimizer"] == pytest.approx(g0["optimizer"] * 1.5)  # + DeepSpeed's fp32 master partition
-    assert g1["total"] == pytest.approx(g1["weights"] + g1["optimizer"] + g1["grads"] + g1["activations"]
-                                        + g1["loss_backward"])
+    assert g1["total"] == pytest.approx(
+        g1["weights"] + g1["optimizer"] + g1["grads"] + g1["activations"] + g1["loss_backward"]
+    )
 
 
 def test_expert_parallelism_shards_only_expert_params():

@@ -1,4 +1,5 @@
 """Offline report: renders every plot from a run directory's JSONL logs, without W&B."""
+
 from __future__ import annotations
 
 import math
@@ -28,8 +29,17 @@ def synthetic_run(tmp_path_factory):
                 skew = torch.linspace(1.0, 1.0 + 4.0 / s, 16)
                 counts = (torch.rand(4, 16, generator=g) * 100 * skew).round()
                 counts[0, 0] = 0
-                lg.log(s, {"loss": 6.0 * math.exp(-s / 20), "lr": 1e-3, "grad_norm": 1.0 / s,
-                           "tokens_per_s": 1000.0 + s, "mfu": 0.02, **router_metrics(counts, None, layer_ids)})
+                lg.log(
+                    s,
+                    {
+                        "loss": 6.0 * math.exp(-s / 20),
+                        "lr": 1e-3,
+                        "grad_norm": 1.0 / s,
+                        "tokens_per_s": 1000.0 + s,
+                        "mfu": 0.02,
+                        **router_metrics(counts, None, layer_ids),
+                    },
+                )
                 lg.log_heatmap(s, counts, layer_ids)
 
     session(range(1, 35), False)
@@ -40,8 +50,17 @@ def synthetic_run(tmp_path_factory):
 def test_report_renders_every_plot_and_an_index(synthetic_run, tmp_path):
     files = build_report(synthetic_run, tmp_path / "rep")
     names = {p.name for p in files.values()}
-    for expected in ("loss.png", "lr.png", "grad_norm.png", "tokens_per_s.png", "mfu.png", "router_maxvio.png",
-                     "router_load_cv.png", "router_dead_frac.png", "index.html"):
+    for expected in (
+        "loss.png",
+        "lr.png",
+        "grad_norm.png",
+        "tokens_per_s.png",
+        "mfu.png",
+        "router_maxvio.png",
+        "router_load_cv.png",
+        "router_dead_frac.png",
+        "index.html",
+    ):
         assert expected in names
     heat = sorted(n for n in names if n.startswith("expert_load_step"))
     assert heat == ["expert_load_step1.png", "expert_load_step21.png", "expert_load_step31.png"]
@@ -53,8 +72,12 @@ def test_report_renders_every_plot_and_an_index(synthetic_run, tmp_path):
 
 
 def test_cli_writes_report_next_to_the_run(synthetic_run):
-    r = subprocess.run([sys.executable, "-m", "training.report", str(synthetic_run), "steps=12"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "training.report", str(synthetic_run), "steps=12"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert (synthetic_run / "report" / "index.html").is_file()
     assert (synthetic_run / "report" / "expert_load_step11.png").is_file()  # nearest logged step
@@ -81,11 +104,17 @@ def test_heatmap_columns_are_capped_for_k3_width():
     assert bucket_experts(torch.ones(92, 896), 256).shape == (92, 224)
 
 
-
-
 def test_report_renders_a_real_training_run(real_run, tmp_path):
     files = build_report(real_run, tmp_path / "rep")
     names = {p.name for p in files.values()}
-    assert {"loss.png", "lr.png", "grad_norm.png", "tokens_per_s.png", "mfu.png", "router_maxvio.png",
-            "router_dead_frac.png", "index.html"} <= names
+    assert {
+        "loss.png",
+        "lr.png",
+        "grad_norm.png",
+        "tokens_per_s.png",
+        "mfu.png",
+        "router_maxvio.png",
+        "router_dead_frac.png",
+        "index.html",
+    } <= names
     assert any(n.startswith("expert_load_step") for n in names)

@@ -1,5 +1,6 @@
 """What a run directory and the console tell a person: the effective config, a world-size-free DeepSpeed JSON,
 a console line for every logging step, an honest tokens/s."""
+
 from __future__ import annotations
 
 import json
@@ -19,9 +20,23 @@ STEPS = 3
 def run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run_files") / "run"
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    p = subprocess.run([sys.executable, "-m", "training.train", "experiment=tiny_ci", f"run_dir={run_dir}",
-                        f"train.steps={STEPS}", "logging.every=1", "logging.mode=disabled"],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "training.train",
+            "experiment=tiny_ci",
+            f"run_dir={run_dir}",
+            f"train.steps={STEPS}",
+            "logging.every=1",
+            "logging.mode=disabled",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     return run_dir, p
 
@@ -75,8 +90,21 @@ def test_cpu_threads_default_to_the_cores_per_local_rank(monkeypatch):
 
 def test_a_run_without_omp_num_threads_uses_every_core_of_its_rank(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LOCAL_SIZE", "LOCAL_WORLD_SIZE")}
-    p = subprocess.run([sys.executable, "-m", "training.train", "experiment=tiny_ci", f"run_dir={tmp_path / 'r'}",
-                        "train.steps=1", "logging.mode=disabled"], cwd=REPO, env={**env, "DS_ACCELERATOR": "cpu"},
-                       capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "training.train",
+            "experiment=tiny_ci",
+            f"run_dir={tmp_path / 'r'}",
+            "train.steps=1",
+            "logging.mode=disabled",
+        ],
+        cwd=REPO,
+        env={**env, "DS_ACCELERATOR": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["torch_threads"] == len(os.sched_getaffinity(0))

@@ -1,6 +1,7 @@
 """Supervised fine-tuning from an HF checkpoint (issue 15's example, end to end): experiment=sft_tiny_base is
 exported and fine-tuned with experiment=sft_tiny; the checkpoint brings its tiktoken tokenizer, loss is taken on
 assistant tokens only and falls."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,14 @@ SFT_STEPS = 12
 
 def _train(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-    return subprocess.run([sys.executable, "-m", "training.train", "logging.mode=disabled", *args], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "training.train", "logging.mode=disabled", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +41,13 @@ def base_hf(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def sft_run(base_hf) -> Path:
     run_dir = base_hf.parent / "sft"
-    p = _train("experiment=sft_tiny", f"model.init_from={base_hf}", f"train.steps={SFT_STEPS}", "logging.every=1",
-               f"run_dir={run_dir}")
+    p = _train(
+        "experiment=sft_tiny",
+        f"model.init_from={base_hf}",
+        f"train.steps={SFT_STEPS}",
+        "logging.every=1",
+        f"run_dir={run_dir}",
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     return run_dir
 
@@ -64,16 +76,24 @@ def test_loss_is_taken_on_assistant_tokens_only_and_falls(sft_run):
 
 
 def test_loss_on_all_takes_more_tokens(base_hf, tmp_path):
-    p = _train("experiment=sft_tiny", f"model.init_from={base_hf}", "train.steps=1", "train.loss_on=all",
-               f"run_dir={tmp_path / 'all'}")
+    p = _train(
+        "experiment=sft_tiny",
+        f"model.init_from={base_hf}",
+        "train.steps=1",
+        "train.loss_on=all",
+        f"run_dir={tmp_path / 'all'}",
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert _records(tmp_path / "all")[0]["data/loss_token_fraction"] > 0.9
 
 
-@pytest.mark.parametrize("override,needle", [
-    ("model.vocab_size=256", "ids but the model has vocab_size=256"),
-    ("data.tokenizer.type=sentencepiece", "data.tokenizer.type=sentencepiece"),
-])
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("model.vocab_size=256", "ids but the model has vocab_size=256"),
+        ("data.tokenizer.type=sentencepiece", "data.tokenizer.type=sentencepiece"),
+    ],
+)
 def test_a_tokenizer_that_does_not_fit_the_checkpoint_is_one_line(base_hf, tmp_path, override, needle):
     p = _train("experiment=sft_tiny", f"model.init_from={base_hf}", override, f"run_dir={tmp_path / 'bad'}")
     errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]

@@ -5,6 +5,7 @@ The released layout (`language_model.` prefix, vision keys, padded A_log, MXFP4 
 `load_hf_checkpoint`, an EP rank's slice reads only its experts, and a row range reads only those rows.
 Fresh construction is the same whatever the experts a rank holds.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,10 @@ def _released(tmp_path, cfg):
     rel: dict[str, torch.Tensor] = {}
     for k, t in state.items():
         if ".experts." in k:
-            rel["language_model." + k.replace(".weight", ".weight_packed")], \
-                rel["language_model." + k.replace(".weight", ".weight_scale")] = pack_mxfp4(t)
+            (
+                rel["language_model." + k.replace(".weight", ".weight_packed")],
+                rel["language_model." + k.replace(".weight", ".weight_scale")],
+            ) = pack_mxfp4(t)
         else:
             rel["language_model." + k] = t
     rel["vision_tower.patch_embed.weight"] = torch.zeros(3, 3)
@@ -75,7 +78,7 @@ def test_an_ep_rank_reads_only_its_experts(tmp_path):
         shard_experts(moe, E // 2, E // 2)  # EP rank 1 of 2
     materialise(model, 0, None, half)
     for name, t in model.state_dict().items():
-        want = ref[name][E // 2:] if ".experts.w" in name else ref[name]
+        want = ref[name][E // 2 :] if ".experts.w" in name else ref[name]
         assert torch.equal(t, want), name
     assert half.bytes_read < full.bytes_read
 
@@ -98,5 +101,5 @@ def test_fresh_construction_does_not_depend_on_which_experts_a_rank_holds():
     materialise(part, 7, None)
     a, b = whole.state_dict(), part.state_dict()
     for k in a:
-        assert torch.equal(b[k], a[k][E // 2:] if ".experts.w" in k else a[k]), k
+        assert torch.equal(b[k], a[k][E // 2 :] if ".experts.w" in k else a[k]), k
     assert any(float(v.abs().sum()) > 0 for k, v in a.items() if ".experts.w" in k)

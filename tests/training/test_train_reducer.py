@@ -1,4 +1,5 @@
 """DistStatsReducer over 2 gloo processes: sums all-reduce, variable-length cat all-gathers in rank order."""
+
 from __future__ import annotations
 
 import os
@@ -47,6 +48,11 @@ def test_dist_stats_reducer_sum_and_variable_length_cat():
 
 
 def test_targets_crossing_a_document_boundary_are_not_counted():
-    mb = pack_microbatch({"input_ids": torch.arange(10).reshape(1, -1), "labels": torch.arange(10).reshape(1, -1),
-                          "cu_seqlens": torch.tensor([0, 4, 7, 10])})
+    mb = pack_microbatch(
+        {
+            "input_ids": torch.arange(10).reshape(1, -1),
+            "labels": torch.arange(10).reshape(1, -1),
+            "cu_seqlens": torch.tensor([0, 4, 7, 10]),
+        }
+    )
     assert mb.n_targets == 9 - 2  # targets 1..9 minus the two document starts

@@ -1,4 +1,5 @@
 """Callbacks around the trainer loop (training/callbacks/base.py documents the hook order)."""
+
 from training.callbacks.base import Callback, CallbackList, load_callback
 from training.callbacks.progress import DataStats, LossWindow, Throughput
 from training.callbacks.router_health import RouterHealth
@@ -9,5 +10,13 @@ def default_callbacks() -> list[Callback]:
     return [LossWindow(), Throughput(), DataStats(), RouterHealth()]
 
 
-__all__ = ["Callback", "CallbackList", "DataStats", "LossWindow", "RouterHealth", "Throughput", "default_callbacks",
-           "load_callback"]
+__all__ = [
+    "Callback",
+    "CallbackList",
+    "DataStats",
+    "LossWindow",
+    "RouterHealth",
+    "Throughput",
+    "default_callbacks",
+    "load_callback",
+]

@@ -6,6 +6,7 @@ add keys to the record before it is written), `on_step_end` (after the record is
 by import path in `callbacks=[pkg.module.Class, ...]` are built with no arguments; production code never imports
 test machinery such as the fault injector, which plugs in this way.
 """
+
 from __future__ import annotations
 
 import importlib

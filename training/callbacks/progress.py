@@ -1,4 +1,5 @@
 """Loss windows and throughput: the per-log-step averages a person reads on the console and the dashboard."""
+
 from __future__ import annotations
 
 import time
@@ -8,8 +9,8 @@ import psutil
 import torch
 
 from training.callbacks.base import Callback, Trainer
-from training.step import StepResult
 from training.metrics import memory_stats, mfu
+from training.step import StepResult
 
 
 class LossWindow(Callback):
@@ -60,16 +61,28 @@ class Throughput(Callback):
         now = time.time()
         tps = self.tok_last / max(1e-9, now - self.t_last)
         self.t_last, self.tok_last = now, 0
-        record.update(tokens_per_s=tps, mfu=mfu(tps / trainer.world, trainer.flops_per_token, trainer.peak),
-                      tokens_seen=trainer.tokens_seen, **memory_stats())
-        if self.first_step_s is not None and "time_to_first_step_s" not in record and trainer.step == \
-                trainer.start_step + 1:
+        record.update(
+            tokens_per_s=tps,
+            mfu=mfu(tps / trainer.world, trainer.flops_per_token, trainer.peak),
+            tokens_seen=trainer.tokens_seen,
+            **memory_stats(),
+        )
+        if (
+            self.first_step_s is not None
+            and "time_to_first_step_s" not in record
+            and trainer.step == trainer.start_step + 1
+        ):
             record["time_to_first_step_s"] = self.first_step_s
 
     def on_train_end(self, trainer: Trainer, summary: dict[str, Any]) -> None:
         elapsed = time.time() - self.t_start
-        summary.update(elapsed_s=elapsed, time_to_first_step_s=self.first_step_s, session_tokens=self.session_tokens,
-                       tokens_per_s=self.session_tokens / max(1e-9, elapsed), torch_threads=torch.get_num_threads())
+        summary.update(
+            elapsed_s=elapsed,
+            time_to_first_step_s=self.first_step_s,
+            session_tokens=self.session_tokens,
+            tokens_per_s=self.session_tokens / max(1e-9, elapsed),
+            torch_threads=torch.get_num_threads(),
+        )
 
 
 class DataStats(Callback):

@@ -1,13 +1,14 @@
 """Router health on the dashboard: MaxVio, load CV, dead experts and bias statistics per MoE layer, plus the
 layers x experts load heatmap, from the step's global counts (reduced once by the trainer, training/balance.py)."""
+
 from __future__ import annotations
 
 from typing import Any
 
 from training.balance import biases_LE
 from training.callbacks.base import Callback, Trainer
-from training.step import StepResult
 from training.metrics import router_metrics
+from training.step import StepResult
 
 
 class RouterHealth(Callback):
@@ -22,6 +23,5 @@ class RouterHealth(Callback):
         if r is None or r.counts_LE is None:
             return
         extra = r.balance_extra if any(r.balance_extra) else None
-        record.update(router_metrics(r.counts_LE.float(), biases_LE(trainer.moe_layers), trainer.moe_layer_ids,
-                                     extra))
+        record.update(router_metrics(r.counts_LE.float(), biases_LE(trainer.moe_layers), trainer.moe_layer_ids, extra))
         trainer.logger.log_heatmap(trainer.step, r.counts_LE, trainer.moe_layer_ids)

@@ -10,6 +10,7 @@ Schedule policy for `train.steps`: the LR schedule keeps the horizon it was star
 trainer state) and stays at its final value after it, so more steps continue at the schedule's floor and fewer
 steps stop early on the original curve.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -88,8 +89,10 @@ def allowed(key: str, allow: list[str]) -> bool:
 def check_allow_changes(allow: list[str]) -> list[str]:
     bad = [a for a in allow if a not in ALLOWABLE]
     if bad:
-        raise RunMismatch(f"checkpoint.allow_changes: {bad[0]!r} is not a change a resumed run can make; choose "
-                          f"from [{','.join(ALLOWABLE)}] (anything else needs a new run_dir)")
+        raise RunMismatch(
+            f"checkpoint.allow_changes: {bad[0]!r} is not a change a resumed run can make; choose "
+            f"from [{','.join(ALLOWABLE)}] (anything else needs a new run_dir)"
+        )
     return list(allow)
 
 
@@ -122,8 +125,9 @@ class ResumePlan:
         return {IDENTITY_KEY: self.identity, HORIZON_KEY: self.horizon}
 
 
-def plan_resume(identity: dict[str, Any], state: dict[str, Any] | None, tag_dir: str | None,
-                allow: list[str], run_dir: str) -> ResumePlan:
+def plan_resume(
+    identity: dict[str, Any], state: dict[str, Any] | None, tag_dir: str | None, allow: list[str], run_dir: str
+) -> ResumePlan:
     """The plan for resuming `tag_dir` (trainer state `state`) as the run `identity`; raises RunMismatch (one
     line naming the keys that differ, old -> new, and the choices) unless every difference is allowed."""
     steps = int(identity["train.steps"])
@@ -135,16 +139,17 @@ def plan_resume(identity: dict[str, Any], state: dict[str, Any] | None, tag_dir:
     tag = os.path.basename(tag_dir.rstrip("/"))
     fixed = [k for k in diff if not allowed(k, allow)]
     if fixed:
-        shown = ", ".join(f"{k} {_fmt(old.get(k, _ABSENT))} -> {_fmt(identity.get(k, _ABSENT))}"
-                          for k in fixed[:_SHOW])
+        shown = ", ".join(f"{k} {_fmt(old.get(k, _ABSENT))} -> {_fmt(identity.get(k, _ABSENT))}" for k in fixed[:_SHOW])
         more = f" (+{len(fixed) - _SHOW} more)" if len(fixed) > _SHOW else ""
         can = sorted({a for k in fixed for a in ALLOWABLE if allowed(k, [a])})
         if all(any(allowed(k, [a]) for a in ALLOWABLE) for k in fixed):
             choices = f"or checkpoint.allow_changes=[{','.join(can)}] to continue it with these changes"
         else:
             choices = "or checkpoint.start_over=true to archive the old run and start fresh"
-        raise RunMismatch(f"run_dir {run_dir} holds another run: its checkpoint {tag} differs in {shown}{more}; "
-                          f"use a new run_dir=, {choices}")
+        raise RunMismatch(
+            f"run_dir {run_dir} holds another run: its checkpoint {tag} differs in {shown}{more}; "
+            f"use a new run_dir=, {choices}"
+        )
     horizon = int(state.get(HORIZON_KEY, old.get("train.steps", steps)))
     return ResumePlan(identity, horizon, diff, allow)
 
@@ -158,8 +163,14 @@ def _retarget_lr(scheduler: Any, base_lrs: list[float]) -> None:
     scheduler._last_lr = lrs
 
 
-def apply_plan(plan: ResumePlan, loader: Any, data_state: dict[str, Any] | None, scheduler: Any,
-               base_lrs: list[float], is_main: bool) -> None:
+def apply_plan(
+    plan: ResumePlan,
+    loader: Any,
+    data_state: dict[str, Any] | None,
+    scheduler: Any,
+    base_lrs: list[float],
+    is_main: bool,
+) -> None:
     """After the engine restored the checkpoint: the data position (or a fresh one for changed data) and the
     new peak lr (`base_lrs`: the freshly built scheduler's, taken before the load)."""
     fresh = plan.fresh_data
@@ -170,12 +181,13 @@ def apply_plan(plan: ResumePlan, loader: Any, data_state: dict[str, Any] | None,
             if "fingerprint" not in str(e):
                 raise CheckpointError(f"cannot continue this checkpoint's data position: {e}") from None
             if "data" not in plan.allow:
-                raise CheckpointError("the data (files, tokenizer) changed since this checkpoint was written; use "
-                                      "checkpoint.allow_changes=[data] to continue at a fresh data position, or a "
-                                      "new run_dir=") from None
+                raise CheckpointError(
+                    "the data (files, tokenizer) changed since this checkpoint was written; use "
+                    "checkpoint.allow_changes=[data] to continue at a fresh data position, or a "
+                    "new run_dir="
+                ) from None
             fresh = True
     if fresh and is_main:
-        print("checkpoint.allow_changes=[data]: the data changed, the loader starts a fresh data position",
-              flush=True)
+        print("checkpoint.allow_changes=[data]: the data changed, the loader starts a fresh data position", flush=True)
     if plan.new_lr and scheduler is not None:
         _retarget_lr(scheduler, base_lrs)

@@ -11,6 +11,7 @@ bad one aside as `step_X.corrupt` and rewrites `latest`, so retention (`keep_las
 identity (training/checkpoint/identity.py) differs beyond `checkpoint.allow_changes`, and `resume=none` in a run
 directory that holds checkpoints unless `checkpoint.start_over=true`.
 """
+
 from __future__ import annotations
 
 import json
@@ -91,8 +92,10 @@ def pick_resume(found: str | None, fallback: bool, is_main: bool, settle: bool =
             if not fallback:
                 raise
             if settle:
-                print(f"warning: {e}; moved it aside to {_move_aside(cand)}, falling back to the previous "
-                      "checkpoint", flush=True)
+                print(
+                    f"warning: {e}; moved it aside to {_move_aside(cand)}, falling back to the previous checkpoint",
+                    flush=True,
+                )
                 moved = True
             elif is_main:
                 print(f"warning: {e}; falling back to the previous checkpoint", flush=True)
@@ -100,8 +103,10 @@ def pick_resume(found: str | None, fallback: bool, is_main: bool, settle: bool =
         if moved:
             write_latest(root, os.path.basename(cand))
         return cand
-    raise CheckpointError(f"no usable checkpoint under {root} (every complete one failed verification); "
-                          "start fresh with a new run_dir or checkpoint.start_over=true")
+    raise CheckpointError(
+        f"no usable checkpoint under {root} (every complete one failed verification); "
+        "start fresh with a new run_dir or checkpoint.start_over=true"
+    )
 
 
 def resume_dir(resume: str, ckpt_root: str, fallback: bool, is_main: bool) -> str | None:
@@ -122,8 +127,10 @@ def read_trainer_state(tag_dir: str) -> dict:
             raise ValueError("not a JSON object")
         return state
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint file {path} is missing or corrupted ({type(e).__name__}); resume "
-                              "from another checkpoint (checkpoint.fallback=true) or use a new run_dir") from None
+        raise CheckpointError(
+            f"checkpoint file {path} is missing or corrupted ({type(e).__name__}); resume "
+            "from another checkpoint (checkpoint.fallback=true) or use a new run_dir"
+        ) from None
 
 
 def _candidate(cfg: DictConfig, ckpt_root: str) -> tuple[str | None, dict | None]:
@@ -150,15 +157,19 @@ def preflight(cfg: DictConfig, mcfg: K3Config, world_size: int, run_dir: str) ->
     held = complete_tags(ckpt_root)
     if cfg.checkpoint.start_over:
         if resume not in ("auto", "none"):
-            raise RunMismatch(f"checkpoint.start_over=true starts {run_dir} fresh and cannot resume "
-                              f"checkpoint.resume={resume}; drop one of them")
+            raise RunMismatch(
+                f"checkpoint.start_over=true starts {run_dir} fresh and cannot resume "
+                f"checkpoint.resume={resume}; drop one of them"
+            )
         return
     if resume == "none":
         if held:
-            raise RunMismatch(f"run_dir {run_dir} holds checkpoints of an earlier run (up to {held[-1]}) and "
-                              "checkpoint.resume=none would mix a new run into it; use a new run_dir=, "
-                              "checkpoint.resume=auto to continue it, or checkpoint.start_over=true to archive it "
-                              f"under {os.path.join(run_dir, 'archive')}/ and start fresh")
+            raise RunMismatch(
+                f"run_dir {run_dir} holds checkpoints of an earlier run (up to {held[-1]}) and "
+                "checkpoint.resume=none would mix a new run into it; use a new run_dir=, "
+                "checkpoint.resume=auto to continue it, or checkpoint.start_over=true to archive it "
+                f"under {os.path.join(run_dir, 'archive')}/ and start fresh"
+            )
         return
     tag_dir, state = _candidate(cfg, ckpt_root)
     if state is not None:
@@ -172,8 +183,11 @@ def settle(cfg: DictConfig, run_dir: str) -> None:
     if resume != "auto":
         return
     for t in orphans(ckpt_root):
-        print(f"warning: {os.path.join(ckpt_root, t)} is newer than `latest` (an orphan of an abandoned or "
-              "crashed write); it is never resumed", flush=True)
+        print(
+            f"warning: {os.path.join(ckpt_root, t)} is newer than `latest` (an orphan of an abandoned or "
+            "crashed write); it is never resumed",
+            flush=True,
+        )
     if cfg.checkpoint.fallback:
         pick_resume(find_latest(ckpt_root), True, True, settle=True)
 

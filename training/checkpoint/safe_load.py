@@ -8,6 +8,7 @@ before anything is loaded (every file present, every .pt readable by the safe lo
 malicious checkpoint is reported as one line naming the file, and `checkpoint.fallback=true` can pick the previous
 complete checkpoint instead.
 """
+
 from __future__ import annotations
 
 import glob
@@ -54,13 +55,19 @@ def safe_torch_load(path: str, map_location: Any = "cpu", mmap: bool = False) ->
     except pickle.UnpicklingError as e:
         first = next((ln.strip() for ln in str(e).splitlines() if "GLOBAL" in ln), "")
         if first:  # a callable/class outside the allowlist: exactly what an exploit pickle needs
-            raise CheckpointError(f"checkpoint file {path} holds pickled code or an unknown class, refused "
-                                  f"(weights-only loading: {first[:160]}); only load checkpoints you wrote") from None
-        raise CheckpointError(f"checkpoint file {path} is corrupted or truncated ({_short(e)}); "
-                              "delete it or resume from another checkpoint (checkpoint.fallback=true)") from None
+            raise CheckpointError(
+                f"checkpoint file {path} holds pickled code or an unknown class, refused "
+                f"(weights-only loading: {first[:160]}); only load checkpoints you wrote"
+            ) from None
+        raise CheckpointError(
+            f"checkpoint file {path} is corrupted or truncated ({_short(e)}); "
+            "delete it or resume from another checkpoint (checkpoint.fallback=true)"
+        ) from None
     except Exception as e:  # noqa: BLE001 - damaged bytes make the weights-only unpickler fail in arbitrary ways
-        raise CheckpointError(f"checkpoint file {path} is corrupted or truncated ({_short(e)}); "
-                              "delete it or resume from another checkpoint (checkpoint.fallback=true)") from None
+        raise CheckpointError(
+            f"checkpoint file {path} is corrupted or truncated ({_short(e)}); "
+            "delete it or resume from another checkpoint (checkpoint.fallback=true)"
+        ) from None
 
 
 def _short(e: BaseException) -> str:
@@ -75,8 +82,10 @@ def _check_trainer_state(path: str) -> None:
         if not isinstance(ts, dict) or "step" not in ts:
             raise ValueError("no 'step' key")
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint file {path} is missing or corrupted ({_short(e)}); "
-                              "resume from another checkpoint (checkpoint.fallback=true)") from None
+        raise CheckpointError(
+            f"checkpoint file {path} is missing or corrupted ({_short(e)}); "
+            "resume from another checkpoint (checkpoint.fallback=true)"
+        ) from None
 
 
 def verify_checkpoint(tag_dir: str, trainer_state: bool = True) -> None:
@@ -85,8 +94,10 @@ def verify_checkpoint(tag_dir: str, trainer_state: bool = True) -> None:
         _check_trainer_state(os.path.join(tag_dir, "trainer_state.json"))
     files = sorted(glob.glob(os.path.join(tag_dir, "*.pt")))
     if not glob.glob(os.path.join(tag_dir, "*model_states.pt")):
-        raise CheckpointError(f"checkpoint {tag_dir} has no model states file (mp_rank_*_model_states.pt); "
-                              "resume from another checkpoint (checkpoint.fallback=true)")
+        raise CheckpointError(
+            f"checkpoint {tag_dir} has no model states file (mp_rank_*_model_states.pt); "
+            "resume from another checkpoint (checkpoint.fallback=true)"
+        )
     for p in files:
         obj = safe_torch_load(p)
         if p.endswith("mp_rank_00_model_states.pt") and isinstance(obj, dict) and isinstance(obj.get("module"), dict):
@@ -102,15 +113,22 @@ def _check_config_matches(tag_dir: str, module: dict[str, Any]) -> None:
     try:
         want = {k: tuple(v.shape) for k, v in build_meta(K3Config.from_hf_config(path)).state_dict().items()}
     except (OSError, ValueError, TypeError) as e:
-        raise CheckpointError(f"checkpoint file {path} is corrupted ({_short(e)}); resume from another checkpoint "
-                              "(checkpoint.fallback=true)") from None
-    bad = [k for k, v in module.items()
-           if k in want and isinstance(v, torch.Tensor) and v.numel() and tuple(v.shape) != want[k]]
+        raise CheckpointError(
+            f"checkpoint file {path} is corrupted ({_short(e)}); resume from another checkpoint "
+            "(checkpoint.fallback=true)"
+        ) from None
+    bad = [
+        k
+        for k, v in module.items()
+        if k in want and isinstance(v, torch.Tensor) and v.numel() and tuple(v.shape) != want[k]
+    ]
     if bad:
         more = f" (+{len(bad) - 1} more)" if len(bad) > 1 else ""
-        raise CheckpointError(f"checkpoint {tag_dir} is inconsistent: {bad[0]} has shape {list(module[bad[0]].shape)} "
-                              f"but its config.json gives {list(want[bad[0]])}{more}; the checkpoint is damaged or "
-                              "mixed: resume from another checkpoint (checkpoint.fallback=true)")
+        raise CheckpointError(
+            f"checkpoint {tag_dir} is inconsistent: {bad[0]} has shape {list(module[bad[0]].shape)} "
+            f"but its config.json gives {list(want[bad[0]])}{more}; the checkpoint is damaged or "
+            "mixed: resume from another checkpoint (checkpoint.fallback=true)"
+        )
 
 
 def install(engine) -> None:
@@ -123,4 +141,3 @@ def install(engine) -> None:
         return safe_torch_load(path, map_location=map_location if map_location is not None else "cpu")
 
     ce.load = load  # type: ignore[method-assign]
-

@@ -15,6 +15,7 @@ never lost. Keep-last-N prunes only COMPLETE dirs older than the one just commit
 `save` takes an `on_phase(phase, step)` seam called at each phase of the write (`SAVE_PHASES`): the trainer routes
 it to its callbacks, so a test-only fault injector can kill a rank at an exact point without this module knowing.
 """
+
 from __future__ import annotations
 
 import glob
@@ -53,8 +54,11 @@ def is_complete(tag_dir: str) -> bool:
 
 def rng_state() -> dict[str, Any]:
     name, keys, pos, has_gauss, gauss = np.random.get_state()  # plain types: loadable with weights_only=True
-    st = {"torch": torch.get_rng_state(), "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos),
-                                                   int(has_gauss), float(gauss)], "python": random.getstate()}
+    st = {
+        "torch": torch.get_rng_state(),
+        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
+        "python": random.getstate(),
+    }
     if torch.cuda.is_available():
         st["cuda"] = torch.cuda.get_rng_state_all()
     return st
@@ -83,9 +87,18 @@ def _no_phase(phase: str, step: int) -> None:
     pass
 
 
-def save(engine, root: str, step: int, trainer_state: dict[str, Any], rank_state: dict[str, Any], rank: int,
-         keep_last: int, extra_files: Callable[[str], None] | None = None,
-         client_extra: dict[str, Any] | None = None, on_phase: PhaseHook = _no_phase) -> str:
+def save(
+    engine,
+    root: str,
+    step: int,
+    trainer_state: dict[str, Any],
+    rank_state: dict[str, Any],
+    rank: int,
+    keep_last: int,
+    extra_files: Callable[[str], None] | None = None,
+    client_extra: dict[str, Any] | None = None,
+    on_phase: PhaseHook = _no_phase,
+) -> str:
     """Collective: every rank calls it. Returns the committed tag dir.
 
     `extra_files(tag_dir)` runs on rank 0 before COMPLETE (model config.json, tokenizer).
@@ -98,7 +111,9 @@ def save(engine, root: str, step: int, trainer_state: dict[str, Any], rank_state
         if os.path.isdir(tag_dir):  # a crashed earlier write of the same step: never half-overwrite
             shutil.rmtree(tag_dir)
     barrier()
-    engine.save_checkpoint(root, tag=tag, client_state={"trainer_state": trainer_state, **(client_extra or {})}, save_latest=False)
+    engine.save_checkpoint(
+        root, tag=tag, client_state={"trainer_state": trainer_state, **(client_extra or {})}, save_latest=False
+    )
     on_phase("after_engine_save", step)
     rank_path = os.path.join(tag_dir, f"rank_{rank:05d}.pt")
     buf = io.BytesIO()
@@ -144,8 +159,9 @@ def has_expert_files(tag_dir: str) -> bool:
     return bool(glob.glob(os.path.join(tag_dir, EXPERT_FILES_GLOB)))
 
 
-def load(engine, tag_dir: str, rank: int, world_size: int, ep_load=None
-         ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+def load(
+    engine, tag_dir: str, rank: int, world_size: int, ep_load=None
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Collective. Restores engine (weights, buffers such as router biases, optimizer, LR schedule).
 
     Returns (trainer_state, this rank's state or None when the world size changed: then RNG is not restored and

@@ -8,6 +8,7 @@ Stable API used by training/train.py:
     peak_flops(device=None) -> float;  memory_stats(device=None) -> {"memory/...": GiB}
 Names are resolved lazily (PEP 562) so torch-free tools (training.report) can import submodules cheaply.
 """
+
 from __future__ import annotations
 
 import importlib

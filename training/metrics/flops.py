@@ -15,6 +15,7 @@ Forward FLOPs per token (multiply-accumulate = 2 FLOPs), T = seq_len, summed ove
 - Block AttnRes: each depth mixture over N candidates costs 4*N*d (dot products + weighted sum).
 Training = 3 x forward (backward = 2 x forward). Recomputation is not counted (MFU, not HFU).
 """
+
 from __future__ import annotations
 
 from model.attn_res import MixtureSizes, attn_res_mixture_sizes
@@ -82,9 +83,13 @@ def matmul_params_active(config: K3Config) -> int:
     c = config
     types = c.layer_types
     n_moe = sum(c.is_moe_layer(i) for i in range(c.num_hidden_layers))
-    return (types.count("kda") * _kda_matmul_params(c) + types.count("mla") * _mla_matmul_params(c)
-            + (c.num_hidden_layers - n_moe) * 3 * c.hidden_size * c.intermediate_size
-            + n_moe * _moe_active_matmul_params(c) + c.vocab_size * c.hidden_size)
+    return (
+        types.count("kda") * _kda_matmul_params(c)
+        + types.count("mla") * _mla_matmul_params(c)
+        + (c.num_hidden_layers - n_moe) * 3 * c.hidden_size * c.intermediate_size
+        + n_moe * _moe_active_matmul_params(c)
+        + c.vocab_size * c.hidden_size
+    )
 
 
 def flops_per_token(config: K3Config, seq_len: int, training: bool = True) -> float:

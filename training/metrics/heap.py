@@ -6,6 +6,7 @@ process with a fixed mmap threshold (`MALLOC_MMAP_THRESHOLD_=131072`) so every t
 mapping and freed memory leaves the count at once. A background thread samples it (torch kernels release the GIL),
 so transients shorter than the period can be missed: measure phases that last milliseconds.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -14,9 +15,21 @@ import threading
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                 "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -58,7 +71,7 @@ class HeapPeak:
         while not self._stop.wait(self._period_s):
             self.peak = max(self.peak, self.now())
 
-    def __enter__(self) -> "HeapPeak":
+    def __enter__(self) -> HeapPeak:
         self._base = self._in_use()
         self._thread.start()
         return self

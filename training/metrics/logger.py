@@ -3,6 +3,7 @@
 Files in run_dir: `metrics.jsonl` (one object per logged step; appended on resume), `expert_load.jsonl`
 (full-resolution layers x experts loads every `heatmap_every` steps), `summary.json`, `wandb_run_id`, `wandb/`.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,10 +25,20 @@ RUN_ID_FILE = "wandb_run_id"
 
 
 class RunLogger:
-    def __init__(self, run_dir: str | os.PathLike, config: Mapping[str, Any], mode: str = "offline",
-                 project: str = "k3-train", run_id: str | None = None, total_steps: int = 0, is_main: bool = True,
-                 heatmap_every: int = 100, resume: bool = False, start_step: int = 0,
-                 progress: bool = True) -> None:
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        config: Mapping[str, Any],
+        mode: str = "offline",
+        project: str = "k3-train",
+        run_id: str | None = None,
+        total_steps: int = 0,
+        is_main: bool = True,
+        heatmap_every: int = 100,
+        resume: bool = False,
+        start_step: int = 0,
+        progress: bool = True,
+    ) -> None:
         if mode not in MODES:
             raise ValueError(f"logging mode {mode!r} is not one of {MODES}; set logging.mode=offline|online|disabled")
         self.run_dir = Path(run_dir)
@@ -70,8 +81,11 @@ class RunLogger:
         if self._progress is not None:
             # the window mean (loss_avg) when the trainer provides it: single-step losses are noisy
             loss, tps = record.get("loss_avg", record.get("loss")), record.get("tokens_per_s")
-            self._progress.update(int(step), loss if isinstance(loss, (int, float)) else None,
-                                  tps if isinstance(tps, (int, float)) else None)
+            self._progress.update(
+                int(step),
+                loss if isinstance(loss, (int, float)) else None,
+                tps if isinstance(tps, (int, float)) else None,
+            )
 
     def heatmap_due(self, step: int) -> bool:
         """True on the first call and then every >= heatmap_every steps (heatmap_every <= 0 disables)."""
@@ -79,7 +93,7 @@ class RunLogger:
             return False
         return self._last_heatmap is None or step - self._last_heatmap >= self.heatmap_every
 
-    def log_heatmap(self, step: int, counts_LE: "torch.Tensor", layer_ids: Sequence[int] | None = None) -> bool:
+    def log_heatmap(self, step: int, counts_LE: torch.Tensor, layer_ids: Sequence[int] | None = None) -> bool:
         """Expert loads [n_moe_layers, E]: full resolution to expert_load.jsonl, one bucketed image (<= 128
         columns) to W&B. Returns whether it logged (see heatmap_due)."""
         if not self.is_main or not self.heatmap_due(step):
@@ -119,7 +133,7 @@ class RunLogger:
             self._wandb.close()
             self._wandb = None
 
-    def __enter__(self) -> "RunLogger":
+    def __enter__(self) -> RunLogger:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -3,6 +3,7 @@
 Why a wrapper: the trainer stays free of tqdm details, and a non-interactive run (CI, Slurm logs) gets plain
 occasional lines instead of carriage-return spam.
 """
+
 from __future__ import annotations
 
 import sys
@@ -31,8 +32,14 @@ def format_summary(values: Mapping[str, Any]) -> str:
 class Progress:
     """A tqdm bar over [start_step, total_steps] (interactive) or one line per update (otherwise)."""
 
-    def __init__(self, total_steps: int, start_step: int = 0, enabled: bool = True, stream: TextIO | None = None,
-                 min_interval_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        total_steps: int,
+        start_step: int = 0,
+        enabled: bool = True,
+        stream: TextIO | None = None,
+        min_interval_s: float = 0.0,
+    ) -> None:
         self.stream = stream or sys.stderr
         self.total, self.start = total_steps, start_step
         self.enabled = enabled
@@ -43,8 +50,9 @@ class Progress:
         self._min_interval = min_interval_s
         self.step = start_step
         if self.interactive:
-            self._bar = tqdm(total=total_steps, initial=start_step, file=self.stream, dynamic_ncols=True,
-                             unit="step", desc="train")
+            self._bar = tqdm(
+                total=total_steps, initial=start_step, file=self.stream, dynamic_ncols=True, unit="step", desc="train"
+            )
 
     def update(self, step: int, loss: float | None = None, tokens_per_s: float | None = None) -> None:
         if not self.enabled:

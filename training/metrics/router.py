@@ -4,6 +4,7 @@ Why: an MoE run silently degrades when a few experts take most tokens (MaxVio gr
 experts). These numbers are computed once per logged step from the all-reduced token counts per expert, so they
 describe the *global* batch, independent of how it was split over ranks and micro-batches.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -18,14 +19,14 @@ PREFIX = "router"
 _PER_LAYER_AGGREGATED = ("maxvio", "load_cv", "dead_frac")  # also aggregated with max and p90
 
 
-def _np64(x: "torch.Tensor | np.ndarray") -> np.ndarray:
+def _np64(x: torch.Tensor | np.ndarray) -> np.ndarray:
     """float64 numpy copy of a tensor (any device) or array; numpy only, so offline tools skip importing torch."""
     if hasattr(x, "detach"):
         x = x.detach().cpu()
     return np.asarray(x, dtype=np.float64)
 
 
-def load_balance_stats(counts_LE: "torch.Tensor | np.ndarray") -> dict[str, np.ndarray]:
+def load_balance_stats(counts_LE: torch.Tensor | np.ndarray) -> dict[str, np.ndarray]:
     """Per-layer load statistics, each a [L] float64 array.
 
     maxvio = max_j load_j / mean_j load_j - 1 (0 when perfectly balanced; DeepSeek/K3 "MaxVio"),
@@ -47,15 +48,15 @@ def load_balance_stats(counts_LE: "torch.Tensor | np.ndarray") -> dict[str, np.n
     }
 
 
-def bias_stats(biases_LE: "torch.Tensor | np.ndarray") -> dict[str, np.ndarray]:
+def bias_stats(biases_LE: torch.Tensor | np.ndarray) -> dict[str, np.ndarray]:
     """Per-layer statistics of the selection bias b (e_score_correction_bias), each [L] float64."""
     b_LE = _np64(biases_LE)
     return {"bias_mean": b_LE.mean(axis=1), "bias_std": b_LE.std(axis=1), "bias_absmax": np.abs(b_LE).max(axis=1)}
 
 
 def router_metrics(
-    counts_LE: "torch.Tensor | np.ndarray",
-    biases_LE: "torch.Tensor | np.ndarray" | None,
+    counts_LE: torch.Tensor | np.ndarray,
+    biases_LE: torch.Tensor | np.ndarray | None,
     layer_ids: Sequence[int],
     extra: Sequence[dict[str, Any]] | None = None,
 ) -> dict[str, float]:
@@ -71,11 +72,13 @@ def router_metrics(
     """
     L = counts_LE.shape[0] if len(counts_LE.shape) >= 1 else 0
     if len(layer_ids) != L:
-        raise ValueError(f"layer_ids has {len(layer_ids)} entries but counts_LE has {L} rows; "
-                         "pass one id per MoE layer")
+        raise ValueError(
+            f"layer_ids has {len(layer_ids)} entries but counts_LE has {L} rows; pass one id per MoE layer"
+        )
     if biases_LE is not None and tuple(biases_LE.shape) != tuple(counts_LE.shape):
-        raise ValueError(f"biases_LE shape {tuple(biases_LE.shape)} must equal counts_LE shape "
-                         f"{tuple(counts_LE.shape)}")
+        raise ValueError(
+            f"biases_LE shape {tuple(biases_LE.shape)} must equal counts_LE shape {tuple(counts_LE.shape)}"
+        )
     if extra is not None and len(extra) != L:
         raise ValueError(f"extra has {len(extra)} dicts but there are {L} MoE layers; pass one dict per layer")
     if L == 0:
@@ -106,7 +109,7 @@ def router_metrics(
     return out
 
 
-def bucket_experts(counts_LE: "torch.Tensor | np.ndarray", max_columns: int = 128) -> np.ndarray:
+def bucket_experts(counts_LE: torch.Tensor | np.ndarray, max_columns: int = 128) -> np.ndarray:
     """Sum adjacent experts into <= max_columns buckets ([L, E] -> float64 [L, ceil(E / ceil(E/max_columns))]).
 
     Why: a 92 x 896 heatmap must stay one small image / table in W&B; bucketing by sum keeps the total load.

@@ -3,6 +3,7 @@
 Why JSONL first: tests, the offline report and post-mortems read it with no W&B account, no network and no
 protobuf; W&B is the dashboard on top. Secrets never reach either: configs are scrubbed of key-like entries.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,16 +19,25 @@ from matplotlib import colormaps
 
 from training.metrics.router import bucket_experts
 
-_SECRET_RE = re.compile(r"(api[_-]?key|secret|passw(or)?d|credential|private[_-]?key"
-                        r"|(^|[_-])(auth|access|hf|bearer|wandb)[_-]?token$|^token$)", re.I)
+_SECRET_RE = re.compile(
+    r"(api[_-]?key|secret|passw(or)?d|credential|private[_-]?key"
+    r"|(^|[_-])(auth|access|hf|bearer|wandb)[_-]?token$|^token$)",
+    re.I,
+)
 REDACTED = "<redacted>"
 
 
 def scrub_secrets(obj: Any) -> Any:
     """Copy of a nested config with values under secret-looking keys (api_key, secret, password, ...) redacted."""
     if isinstance(obj, Mapping):
-        return {k: (REDACTED if isinstance(k, str) and _SECRET_RE.search(k) and not isinstance(v, Mapping)
-                    else scrub_secrets(v)) for k, v in obj.items()}
+        return {
+            k: (
+                REDACTED
+                if isinstance(k, str) and _SECRET_RE.search(k) and not isinstance(v, Mapping)
+                else scrub_secrets(v)
+            )
+            for k, v in obj.items()
+        }
     if isinstance(obj, (list, tuple)):
         return [scrub_secrets(v) for v in obj]
     return obj
@@ -102,8 +112,15 @@ class WandbSink:
     first value of a step that a resumed run logs again after its last checkpoint.
     """
 
-    def __init__(self, run_dir: str | os.PathLike, config: Mapping[str, Any], mode: str, project: str,
-                 run_id: str | None, resume: bool) -> None:
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        config: Mapping[str, Any],
+        mode: str,
+        project: str,
+        run_id: str | None,
+        resume: bool,
+    ) -> None:
         import wandb  # ~1 s to import: only runs that log to W&B pay it
 
         run_dir = Path(run_dir)
@@ -123,8 +140,9 @@ class WandbSink:
             config=to_jsonable(scrub_secrets(dict(config))),
             id=run_id,
             resume="allow" if (resume or run_id) else None,
-            settings=wandb.Settings(console="off", x_disable_stats=True, save_code=False,
-                                    x_save_requirements=False, disable_git=True),
+            settings=wandb.Settings(
+                console="off", x_disable_stats=True, save_code=False, x_save_requirements=False, disable_git=True
+            ),
         )
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
@@ -157,9 +175,9 @@ def _leveldb_records(data: bytes, offset: int, block: int = 32768):
         if left < 7:  # block trailer padding
             offset += left
             continue
-        length = int.from_bytes(data[offset + 4:offset + 6], "little")
+        length = int.from_bytes(data[offset + 4 : offset + 6], "little")
         kind = data[offset + 6]
-        payload = data[offset + 7:offset + 7 + length]
+        payload = data[offset + 7 : offset + 7 + length]
         offset += 7 + length
         if kind == 0 and length == 0:
             continue

@@ -3,6 +3,7 @@
 Why measured on CPU: there is no datasheet number for "2 shared cores"; the best large fp32 matmul this machine
 sustains is the honest ceiling. On GPUs the dense bf16 datasheet peak is the convention for MFU.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,9 @@ def gpu_peak_flops(name: str) -> float | None:
     return None
 
 
-def measure_matmul_flops(n: int = 1024, reps: int = 5, dtype: torch.dtype = torch.float32,
-                         device: str = "cpu") -> float:
+def measure_matmul_flops(
+    n: int = 1024, reps: int = 5, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> float:
     """Best-of-reps FLOP/s of an n x n x n matmul (2n^3 FLOPs each); best because noise only ever slows it."""
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)

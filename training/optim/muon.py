@@ -5,6 +5,7 @@ query/key/value projections are orthogonalised per head (the [H*K, d] matrix as 
 since each head is its own linear map. Embeddings, lm_head, norms, gates' 1-D parameters and convolutions take
 AdamW steps. Needs whole matrices, so it runs with ZeRO stage 0 (validated in training/config.py).
 """
+
 from __future__ import annotations
 
 import math
@@ -54,10 +55,28 @@ def orthogonalise(update: torch.Tensor, heads: int | None, steps: int) -> torch.
 class Muon(torch.optim.Optimizer):
     """Groups with `use_muon=True` take Muon steps (lr = group's `lr`); the others AdamW (decoupled decay)."""
 
-    def __init__(self, params: Iterable[dict[str, Any]], lr: float = 3e-4, betas=(0.9, 0.95), eps: float = 1e-8,
-                 weight_decay: float = 0.0, momentum: float = 0.95, ns_steps: int = 5, nesterov: bool = True):
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, momentum=momentum,
-                        ns_steps=ns_steps, nesterov=nesterov, use_muon=False, heads=None)
+    def __init__(
+        self,
+        params: Iterable[dict[str, Any]],
+        lr: float = 3e-4,
+        betas=(0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        momentum: float = 0.95,
+        ns_steps: int = 5,
+        nesterov: bool = True,
+    ):
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            ns_steps=ns_steps,
+            nesterov=nesterov,
+            use_muon=False,
+            heads=None,
+        )
         super().__init__(params, defaults)
 
     @torch.no_grad()
@@ -103,8 +122,8 @@ class Muon(torch.optim.Optimizer):
             p.mul_(1 - lr * wd)
             st["exp_avg"].lerp_(p.grad, 1 - b1)
             st["exp_avg_sq"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
-            denom = (st["exp_avg_sq"] / (1 - b2 ** k)).sqrt_().add_(eps)
-            p.addcdiv_(st["exp_avg"], denom, value=-lr / (1 - b1 ** k))
+            denom = (st["exp_avg_sq"] / (1 - b2**k)).sqrt_().add_(eps)
+            p.addcdiv_(st["exp_avg"], denom, value=-lr / (1 - b1**k))
 
 
 def muon_param_groups(model: nn.Module, weight_decay: float, cfg) -> list[dict[str, Any]]:
@@ -131,7 +150,8 @@ def muon_param_groups(model: nn.Module, weight_decay: float, cfg) -> list[dict[s
             adam_plain.append(p)
     groups: list[dict[str, Any]] = [
         {"params": ps, "use_muon": True, "heads": h, "lr": muon_lr, "weight_decay": weight_decay}
-        for h, ps in by_heads.items()]
+        for h, ps in by_heads.items()
+    ]
     groups.append({"params": adam_decay, "use_muon": False, "lr": adam_lr, "weight_decay": weight_decay})
     groups.append({"params": adam_plain, "use_muon": False, "lr": adam_lr, "weight_decay": 0.0})
     return [g for g in groups if g["params"]]

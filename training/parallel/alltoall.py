@@ -15,6 +15,7 @@ Protocol per forward (one MoE layer, one rank):
 The whole exchange is one autograd node whose backward runs the same all_to_alls in reverse and the same
 hand-written expert backward as the local path: outputs and gradients equal the single-rank path bitwise.
 """
+
 from __future__ import annotations
 
 import torch
@@ -43,8 +44,7 @@ class _ExpertParallelMoE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, z_NL, weight_NK, w1, w3, w2, expert_idx_NK, disp: AllToAllDispatcher, beta1: float,
-                beta2: float):  # type: ignore[override]
+    def forward(ctx, z_NL, weight_NK, w1, w3, w2, expert_idx_NK, disp: AllToAllDispatcher, beta1: float, beta2: float):  # type: ignore[override]
         P, El, group = disp.ep_size, disp.num_local, disp.group
         N, K = expert_idx_NK.shape
         order_M, inverse_M, counts_E = sort_by_expert(expert_idx_NK, disp.num_experts)
@@ -77,8 +77,7 @@ class _ExpertParallelMoE(torch.autograd.Function):
         order_M[inverse_M] = torch.arange(inverse_M.numel(), device=inverse_M.device)
         g_ML = g_NL.contiguous().index_select(0, order_M // K)  # [M, l] output grad of each row, send order
         g_RL = _a2a(g_ML, recv, send, group).index_select(0, perm_R)
-        g_zR, g_w1, g_w3, g_w2, g_pR = grouped_backward(z_RL, g_RL, counts, w1, w3, w2, beta1, beta2,
-                                                        row_weight_M=p_R)
+        g_zR, g_w1, g_w3, g_w2, g_pR = grouped_backward(z_RL, g_RL, counts, w1, w3, w2, beta1, beta2, row_weight_M=p_R)
         g_zM = _a2a(_unpermute(g_zR, perm_R), send, recv, group)  # [M, l] back to the token's rank
         g_pM = _a2a(_unpermute(g_pR, perm_R), send, recv, group)  # [M]
         g_z_NKL = g_zM.index_select(0, inverse_M).view(N, K, g_zM.shape[-1])
@@ -116,21 +115,35 @@ class AllToAllDispatcher:
         self.ep_size = dist.get_world_size(group)
         self.ep_rank = dist.get_rank(group)
         if num_experts % self.ep_size:
-            raise ValueError(f"num_experts={num_experts} is not divisible by ep_size={self.ep_size}; "
-                             "choose parallel.ep_size dividing the expert count")
+            raise ValueError(
+                f"num_experts={num_experts} is not divisible by ep_size={self.ep_size}; "
+                "choose parallel.ep_size dividing the expert count"
+            )
         self.num_experts = num_experts
         self.num_local = num_experts // self.ep_size
         self.bytes_sent = 0
 
-    def __call__(self, z_NL: torch.Tensor, expert_idx_NK: torch.Tensor, weight_NK: torch.Tensor,
-                 experts) -> torch.Tensor:
+    def __call__(
+        self, z_NL: torch.Tensor, expert_idx_NK: torch.Tensor, weight_NK: torch.Tensor, experts
+    ) -> torch.Tensor:
         El = self.num_local
         if experts.num_local != El or experts.expert_offset != self.ep_rank * El:
-            raise ValueError(f"experts hold ids [{experts.expert_offset}, {experts.expert_offset + experts.num_local})"
-                             f" but this rank owns [{self.ep_rank * El}, {(self.ep_rank + 1) * El}); "
-                             "lay the model out with training.parallelize.parallelize")
-        return _ExpertParallelMoE.apply(z_NL.contiguous(), weight_NK, experts.w1, experts.w3, experts.w2,
-                                        expert_idx_NK, self, experts.beta1, experts.beta2)
+            raise ValueError(
+                f"experts hold ids [{experts.expert_offset}, {experts.expert_offset + experts.num_local})"
+                f" but this rank owns [{self.ep_rank * El}, {(self.ep_rank + 1) * El}); "
+                "lay the model out with training.parallelize.parallelize"
+            )
+        return _ExpertParallelMoE.apply(
+            z_NL.contiguous(),
+            weight_NK,
+            experts.w1,
+            experts.w3,
+            experts.w2,
+            expert_idx_NK,
+            self,
+            experts.beta1,
+            experts.beta2,
+        )
 
     def __repr__(self) -> str:
         return f"AllToAllDispatcher(ep_size={self.ep_size}, ep_rank={self.ep_rank}, num_local={self.num_local})"

@@ -8,6 +8,7 @@ Another layout:
   * a checkpoint without expert files (stacked experts in the model file) is sliced to this rank's experts;
   * ZeRO-3 + EP ("zero3_partitioned", training/parallel/universal.py) goes through DeepSpeed's universal checkpoint.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,8 +34,11 @@ def load_any_layout(par, engine, load_dir: str, tag: str | None = None, **kwargs
     tag_dir = os.path.join(load_dir, tag)
     saved = saved_layout(load_dir, tag)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    same = saved is None or (saved["ep_size"] == par.ep_size and saved["world_size"] == world
-                             and saved.get("zero_stage", par.zero_stage) == par.zero_stage)
+    same = saved is None or (
+        saved["ep_size"] == par.ep_size
+        and saved["world_size"] == world
+        and saved.get("zero_stage", par.zero_stage) == par.zero_stage
+    )
     if par.universal is not None:  # ZeRO-3 checkpoint of another layout, converted by `prepare_resume`
         root, utag = par.universal
         # stage3 load_hp_checkpoint_state_from_checkpoint_dir_stage3 gives every param group the hyperparameters
@@ -74,14 +78,18 @@ def prepare_resume(par, ds_config: dict[str, Any], tag_dir: str, run_dir: str) -
     world = dist.get_world_size() if dist.is_initialized() else 1
     if not is_zero3_checkpoint(tag_dir):
         if par.zero_stage == 3 and saved is not None and saved["ep_size"] > 1:
-            raise CheckpointError(f"{tag_dir} holds per-expert files (ZeRO 0-2 + EP) and cannot resume under ZeRO-3; "
-                                  "resume it with deepspeed=zero2, or export it (python -m training.export) and start "
-                                  "from it with model.init_from")
+            raise CheckpointError(
+                f"{tag_dir} holds per-expert files (ZeRO 0-2 + EP) and cannot resume under ZeRO-3; "
+                "resume it with deepspeed=zero2, or export it (python -m training.export) and start "
+                "from it with model.init_from"
+            )
         return ds_config
     if par.zero_stage != 3:
-        raise CheckpointError(f"{tag_dir} is a ZeRO-3 checkpoint and resumes only under ZeRO-3 (any EP size or world "
-                              "size); use deepspeed=zero3, or export it (python -m training.export) and start from it "
-                              "with model.init_from")
+        raise CheckpointError(
+            f"{tag_dir} is a ZeRO-3 checkpoint and resumes only under ZeRO-3 (any EP size or world "
+            "size); use deepspeed=zero3, or export it (python -m training.export) and start from it "
+            "with model.init_from"
+        )
     if saved is not None and saved["ep_size"] == par.ep_size and saved["world_size"] == world:
         return ds_config
     par.universal = convert(tag_dir, run_dir, dist.get_rank() == 0 if dist.is_initialized() else True)
@@ -99,7 +107,7 @@ def _load_plain_checkpoint(par, engine, load_dir: str, tag: str):
     for name in par.moe_names:
         for w in EXPERT_WEIGHTS:
             key = f"{name}.experts.{w}"
-            module[key] = module[key][lo:lo + num_local]
+            module[key] = module[key][lo : lo + num_local]
     engine.module.load_state_dict(module, strict=True)
     if hasattr(engine.optimizer, "refresh_fp32_params"):
         engine.optimizer.refresh_fp32_params()  # ZeRO 1/2 fp32 master copies from the loaded weights
@@ -130,10 +138,27 @@ def _restore_lr_schedule(engine, tag_dir: str) -> None:
 
 
 _DEEPSPEED_STATE_KEYS = {
-    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
-    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
-    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
-    "num_experts", "ds_autoep_layers"}
+    "module",
+    "buffer_names",
+    "optimizer",
+    "param_shapes",
+    "frozen_param_shapes",
+    "shared_params",
+    "frozen_param_fragments",
+    "lr_scheduler",
+    "data_sampler",
+    "random_ltd",
+    "sparse_tensor_module_names",
+    "skipped_steps",
+    "global_steps",
+    "global_samples",
+    "dp_world_size",
+    "mp_world_size",
+    "ds_config",
+    "ds_version",
+    "num_experts",
+    "ds_autoep_layers",
+}
 
 
 def _latest_tag(load_dir: str) -> str:

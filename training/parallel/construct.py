@@ -15,6 +15,7 @@ fresh runs run each module's `reset_parameters` under a seed derived from (train
 initial weights are the same for every layout (ZeRO stage, EP size, world size). A seeded init is sequential, so
 fresh dense tensors are computed whole, one unit at a time, as zero.Init does.
 """
+
 from __future__ import annotations
 
 import zlib
@@ -31,7 +32,7 @@ from model.hf import HFReader, target_dtype
 
 def module_seed(seed: int, name: str) -> int:
     """Process-independent seed for module `name` (Python's hash() is salted per process)."""
-    return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 63)
+    return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
 
 def build_meta(config: K3Config) -> K3ForCausalLM:
@@ -70,7 +71,7 @@ def _fill_from_checkpoint(name: str, t: torch.Tensor, reader: HFReader, lo: int,
     shape = tuple(t.shape) if t.dim() else (1,)
     r0, r1 = lo // row, -(-hi // row)
     rows = reader.read(name, shape, r0, r1, expert_offset=offset).reshape(-1)
-    t.view(-1)[lo:hi].copy_(rows[lo - r0 * row: hi - r0 * row].to(t.dtype))
+    t.view(-1)[lo:hi].copy_(rows[lo - r0 * row : hi - r0 * row].to(t.dtype))
 
 
 def _partition(init, p: nn.Parameter) -> None:
@@ -84,9 +85,14 @@ def _partition(init, p: nn.Parameter) -> None:
     p.partition()
 
 
-def materialise(model: K3ForCausalLM, seed: int, zero3_config: dict[str, Any] | None,
-                reader: HFReader | None = None, dtype: torch.dtype = torch.float32,
-                on_unit: Callable[[int], None] | None = None) -> None:
+def materialise(
+    model: K3ForCausalLM,
+    seed: int,
+    zero3_config: dict[str, Any] | None,
+    reader: HFReader | None = None,
+    dtype: torch.dtype = torch.float32,
+    on_unit: Callable[[int], None] | None = None,
+) -> None:
     """Give every meta parameter/buffer of `model` its values, unit by unit (see the module docstring).
     `zero3_config`: the DeepSpeed JSON when ZeRO-3 (params are partitioned as they are made), else None."""
     zero3 = zero3_config is not None
@@ -133,9 +139,15 @@ def materialise(model: K3ForCausalLM, seed: int, zero3_config: dict[str, Any] | 
             on_unit(i)
 
 
-
-def build_model(config: K3Config, seed: int, ep_size: int, zero_stage: int, ds_config: dict[str, Any],
-                init_from: str | None = None, expert_files: bool = False):
+def build_model(
+    config: K3Config,
+    seed: int,
+    ep_size: int,
+    zero_stage: int,
+    ds_config: dict[str, Any],
+    init_from: str | None = None,
+    expert_files: bool = False,
+):
     """The laid-out, materialised model of this rank and its Parallelism (training/parallelize.py), built sharded
     (module docstring): fresh from `seed`, or from the HF checkpoint directory `init_from`."""
     from training.parallelize import parallelize

@@ -14,6 +14,7 @@ Parameter names stay the HF-style stacked names in `model.state_dict()`; only a 
 (what `_save_moe_checkpoint` calls) returns per-expert slices in DeepSpeed's naming, and loading accepts them back.
 Because (b)/(c) key experts by global id, a checkpoint saved at EP=P loads at any EP size that divides E.
 """
+
 from __future__ import annotations
 
 import glob
@@ -50,23 +51,29 @@ def _ds_moe_class(base: type) -> type:
                 out[f"{_DS_PREFIX}{j}.{w}"] = t if keep_vars else t.detach()
         return out
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
         # DeepSpeed's load_moe_state_dict hands us per-expert slices (local ids): stack them first
         for w in _WEIGHTS:
             keys = [f"{prefix}{_DS_PREFIX}{j}.{w}" for j in range(self.num_local)]
             if all(k in state_dict for k in keys):
                 state_dict[prefix + w] = torch.stack([state_dict.pop(k) for k in keys])
-        base._load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                                   unexpected_keys, error_msgs)
+        base._load_from_state_dict(
+            self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
 
-    cls = type(f"DeepSpeedMoE{base.__name__}", (base, MoE), {
-        "__doc__": f"{base.__name__} presented to DeepSpeed as a native MoE layer (see training/parallel/ds_moe.py).",
-        "set_deepspeed_parallelism": set_deepspeed_parallelism,
-        "state_dict": state_dict,
-        "_load_from_state_dict": _load_from_state_dict,
-        "forward": base.forward,
-    })
+    cls = type(
+        f"DeepSpeedMoE{base.__name__}",
+        (base, MoE),
+        {
+            "__doc__": f"{base.__name__} presented to DeepSpeed as a native MoE layer (training/parallel/ds_moe.py).",
+            "set_deepspeed_parallelism": set_deepspeed_parallelism,
+            "state_dict": state_dict,
+            "_load_from_state_dict": _load_from_state_dict,
+            "forward": base.forward,
+        },
+    )
     _CLASS_CACHE[base] = cls
     return cls
 
@@ -124,7 +131,8 @@ def consolidated_module_state(tag_dir: str | os.PathLike, mp_rank: int = 0) -> d
     for (prefix, w), by_id in slices.items():
         ids = sorted(by_id)
         if ids != list(range(len(ids))):
-            raise ValueError(f"expert files for {prefix}.{w} cover ids {ids}, not 0..{len(ids) - 1}: "
-                             "checkpoint incomplete")
+            raise ValueError(
+                f"expert files for {prefix}.{w} cover ids {ids}, not 0..{len(ids) - 1}: checkpoint incomplete"
+            )
         sd[f"{prefix}.{w}"] = torch.stack([by_id[i] for i in ids])
     return sd

@@ -9,6 +9,7 @@ started with `checkpoint.load_universal` re-slices that per rank (stage3 `load_h
 Buffers are not part of the universal format (engine `_load_checkpoint` skips the module state when loading
 universal), so the balancer biases are copied from the model-states file here.
 """
+
 from __future__ import annotations
 
 import glob
@@ -28,7 +29,8 @@ UNIVERSAL_DIR = "universal"  # <run_dir>/universal/<tag>: the converted copy of 
 def is_zero3_checkpoint(tag_dir: str) -> bool:
     """ZeRO-3 checkpoints store one zero_pp_rank_* model-states file per rank and no mp_rank_* file."""
     return bool(glob.glob(os.path.join(tag_dir, "zero_pp_rank_*_mp_rank_*_model_states.pt"))) and not glob.glob(
-        os.path.join(tag_dir, "mp_rank_*_model_states.pt"))
+        os.path.join(tag_dir, "mp_rank_*_model_states.pt")
+    )
 
 
 def model_states_file(tag_dir: str) -> str:
@@ -49,13 +51,26 @@ def convert(tag_dir: str, run_dir: str, is_main: bool) -> tuple[str, str]:
     if is_main and not os.path.isfile(os.path.join(out, "DONE")):
         verify_checkpoint(tag_dir, trainer_state=False)
         os.makedirs(out_root, exist_ok=True)
-        cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", tag_dir,
-               "--output_folder", out, "--num_extract_workers", "1", "--num_merge_workers", "1"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "deepspeed.checkpoint.ds_to_universal",
+            "--input_folder",
+            tag_dir,
+            "--output_folder",
+            out,
+            "--num_extract_workers",
+            "1",
+            "--num_merge_workers",
+            "1",
+        ]
         p = subprocess.run(cmd, capture_output=True, text=True)
         if p.returncode != 0:
             last = (p.stderr.strip().splitlines() or ["?"])[-1]
-            raise CheckpointError(f"ds_to_universal could not convert {tag_dir} ({last[:200]}); resume it at the "
-                                  "layout that wrote it (same parallel.ep_size and world size)")
+            raise CheckpointError(
+                f"ds_to_universal could not convert {tag_dir} ({last[:200]}); resume it at the "
+                "layout that wrote it (same parallel.ep_size and world size)"
+            )
         open(os.path.join(out, "DONE"), "w").close()
     barrier()
     return out_root, tag

@@ -5,6 +5,7 @@ implementation saves (read off the modules, checked against `torch.autograd.grap
 models in tests/training/test_plan.py, within 10%). Counts are elements per token; `A` = activation dtype
 (bf16 on GPU, fp32 on CPU), `F` = fp32 internals (norm statistics, gates, SiTU, KDA recurrence).
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -20,7 +21,7 @@ def _norm(D: int) -> tuple[float, float]:
     return 0.0, 2.0 * D + 1
 
 
-def mla_elements(c: "K3Config", seq_len: int, attention: str) -> tuple[float, float]:
+def mla_elements(c: K3Config, seq_len: int, attention: str) -> tuple[float, float]:
     """(A, F) per token for one GatedMLA layer incl. its input x. attention='math' keeps softmax probs (H*T per
     token, PyTorch's CPU SDPA path), 'flash' keeps only the log-sum-exp (H per token)."""
     d, H = c.hidden_size, c.num_attention_heads
@@ -45,7 +46,7 @@ def glu_elements(d: int, inter: int) -> tuple[float, float]:
     return d + inter, 6.0 * inter
 
 
-def moe_elements(c: "K3Config") -> tuple[float, float]:
+def moe_elements(c: K3Config) -> tuple[float, float]:
     """LatentMoE: x, router scores/top-k bookkeeping, latent z and u (+ its norm), shared experts. The routed
     experts recompute their internals in backward (custom autograd), so they keep only z."""
     d, E, k, l = c.hidden_size, c.num_experts, c.num_experts_per_token, c.routed_expert_hidden_size
@@ -55,7 +56,7 @@ def moe_elements(c: "K3Config") -> tuple[float, float]:
     return sa + 2 * l, sf + 3 * E + 6 * k + 1 + nf
 
 
-def kda_sub_blocks(c: "K3Config") -> int:
+def kda_sub_blocks(c: K3Config) -> int:
     """Sub-blocks per chunk the chunked KDA kernel factorises its decayed scores into, for the worst-case decay the
     gate bound allows (|g| <= |gate_lower_bound|; a trained model reaches it): n_s = C / S (model/kda/chunk.py)."""
     import torch
@@ -67,7 +68,7 @@ def kda_sub_blocks(c: "K3Config") -> int:
     return C // S if S else C  # unbounded gates: the exact [C, C, K] form, C times the memory
 
 
-def kda_elements(c: "K3Config", seq_len: int) -> tuple[float, float]:
+def kda_elements(c: K3Config, seq_len: int) -> tuple[float, float]:
     """KDA layer incl. its input x. A: projections, conv in/out (padded by W-1), f_a output, o_proj input.
     F (fp32 inside the kernel): L2 norms, beta, decay, the chunked core (model/kda/chunk.py saves per chunk 9
     [C, K]-sized tensors plus the strips of the sub-block decay factors, 3 block-lower [C, C] matrices whose
@@ -93,12 +94,13 @@ def attn_res_elements(n_candidates: int) -> float:
     return 4.0 * n_candidates if n_candidates else 0.0
 
 
-def activation_elements(c: "K3Config", seq_len: int, attention: str = "flash") -> dict[str, tuple[float, float]]:
+def activation_elements(c: K3Config, seq_len: int, attention: str = "flash") -> dict[str, tuple[float, float]]:
     """(A, F) elements per token by component, without activation checkpointing."""
     d = c.hidden_size
     types = c.layer_types
-    comp: dict[str, list[float]] = {k: [0.0, 0.0] for k in
-                                    ("embedding", "kda", "mla", "dense_ffn", "moe", "norms_residual", "head_loss")}
+    comp: dict[str, list[float]] = {
+        k: [0.0, 0.0] for k in ("embedding", "kda", "mla", "dense_ffn", "moe", "norms_residual", "head_loss")
+    }
     comp["embedding"][0] += d
 
     def add(name: str, af: tuple[float, float]) -> None:
@@ -107,10 +109,14 @@ def activation_elements(c: "K3Config", seq_len: int, attention: str = "flash") -
 
     sizes = attn_res_sizes(c)
     for i in range(c.num_hidden_layers):
-        add("kda" if types[i] == "kda" else "mla", kda_elements(c, seq_len) if types[i] == "kda" else
-            mla_elements(c, seq_len, attention))
-        add("moe" if c.is_moe_layer(i) else "dense_ffn",
-            moe_elements(c) if c.is_moe_layer(i) else glu_elements(d, c.intermediate_size))
+        add(
+            "kda" if types[i] == "kda" else "mla",
+            kda_elements(c, seq_len) if types[i] == "kda" else mla_elements(c, seq_len, attention),
+        )
+        add(
+            "moe" if c.is_moe_layer(i) else "dense_ffn",
+            moe_elements(c) if c.is_moe_layer(i) else glu_elements(d, c.intermediate_size),
+        )
         n_attn, n_mlp = sizes.layers[i]
         # mixer input (mix output or residual), two norms, partial sums after each sublayer, mlp mix output
         a = (d if (i > 0 or not c.attn_res_enabled) else 0) + 2 * d + (d if c.attn_res_enabled else 0)
@@ -121,7 +127,7 @@ def activation_elements(c: "K3Config", seq_len: int, attention: str = "flash") -
     return {k: (v[0], v[1]) for k, v in comp.items()}
 
 
-def loss_backward_bytes(c: "K3Config", micro_batch: int, seq_len: int, act_bytes: int = 2) -> float:
+def loss_backward_bytes(c: K3Config, micro_batch: int, seq_len: int, act_bytes: int = 2) -> float:
     """Transient bytes of the loss backward, the first thing backward runs, while every activation is still live:
     the logits gradient (activation dtype, [tokens, V]) plus one fp32 chunk of recomputed softmax (model/k3.py's
     chunked cross-entropy: at most `_ce_chunk_rows(V)` rows at a time)."""
@@ -132,8 +138,14 @@ def loss_backward_bytes(c: "K3Config", micro_batch: int, seq_len: int, act_bytes
     return tokens * V * act_bytes + min(tokens, _ce_chunk_rows(V)) * V * 4.0
 
 
-def activation_bytes(c: "K3Config", micro_batch: int, seq_len: int, act_bytes: int = 2,
-                     checkpointing: bool = False, attention: str = "flash") -> dict[str, float]:
+def activation_bytes(
+    c: K3Config,
+    micro_batch: int,
+    seq_len: int,
+    act_bytes: int = 2,
+    checkpointing: bool = False,
+    attention: str = "flash",
+) -> dict[str, float]:
     """Bytes kept for backward by one micro-batch [micro_batch, seq_len], by component, plus `total`.
 
     With per-decoder-layer checkpointing only each layer's inputs stay (the new partial sum, d per token per layer;
@@ -150,9 +162,12 @@ def activation_bytes(c: "K3Config", micro_batch: int, seq_len: int, act_bytes: i
             mix = kda_elements(c, seq_len) if kind == "kda" else mla_elements(c, seq_len, attention)
             ffn = moe_elements(c) if c.is_moe_layer(i) else glu_elements(c.hidden_size, c.intermediate_size)
             per_layer.append(tokens * ((mix[0] + ffn[0]) * act_bytes + (mix[1] + ffn[1]) * 4))
-        kept = {"embedding": b["embedding"], "head_loss": b["head_loss"],
-                "layer_inputs": tokens * L * c.hidden_size * act_bytes,
-                "recompute_peak": max(per_layer) + b["norms_residual"] / max(L, 1)}
+        kept = {
+            "embedding": b["embedding"],
+            "head_loss": b["head_loss"],
+            "layer_inputs": tokens * L * c.hidden_size * act_bytes,
+            "recompute_peak": max(per_layer) + b["norms_residual"] / max(L, 1),
+        }
         b = kept
     b["total"] = sum(b.values())
     return b

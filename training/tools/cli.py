@@ -1,5 +1,6 @@
 """One argument style for every tool: `key=value` pairs (as Hydra overrides are), with leading positionals for
 the required keys, `-h` for the tool's docstring, and every bad input as one `error: ...` line and exit 2."""
+
 from __future__ import annotations
 
 import sys
@@ -27,8 +28,9 @@ def _typed(key: str, raw: str, default: Any, kinds: dict[str, type]) -> Any:
         raise ToolError(f"{key}={raw!r} must be {kind.__name__}") from None
 
 
-def parse_args(argv: Sequence[str], defaults: dict[str, Any], positional: Sequence[str] = (),
-               kinds: dict[str, type] | None = None) -> dict[str, Any]:
+def parse_args(
+    argv: Sequence[str], defaults: dict[str, Any], positional: Sequence[str] = (), kinds: dict[str, type] | None = None
+) -> dict[str, Any]:
     """`key=value` arguments typed after `defaults` (or `kinds` where the default is None); the first
     arguments without `=` fill `positional` keys in order. Keys in `positional` are required."""
     args, kinds = dict(defaults), dict(kinds or {})
@@ -51,8 +53,12 @@ def parse_args(argv: Sequence[str], defaults: dict[str, Any], positional: Sequen
     return args
 
 
-def run_tool(main: Callable[[list[str]], int], argv: Sequence[str] | None, doc: str,
-             errors: tuple[type[BaseException], ...] = (ToolError, FileNotFoundError, ValueError, OSError)) -> int:
+def run_tool(
+    main: Callable[[list[str]], int],
+    argv: Sequence[str] | None,
+    doc: str,
+    errors: tuple[type[BaseException], ...] = (ToolError, FileNotFoundError, ValueError, OSError),
+) -> int:
     """Run `main(argv)`; `-h` prints `doc`; an expected error is one line on stderr and exit status 2."""
     args = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in args):

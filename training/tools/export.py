@@ -8,6 +8,7 @@ utilities (buffers such as the router biases come from the model-states file); Z
 already whole. Expert-parallel checkpoints (per-expert files) are consolidated by training/ep. The model config and
 tokenizer saved with the checkpoint travel along, so `model.load_hf_checkpoint(out_dir)` is all a reader needs.
 """
+
 from __future__ import annotations
 
 import glob
@@ -26,7 +27,9 @@ from training.tools.cli import parse_args, run_tool
 
 def consolidated_state_dict(tag_dir: str) -> dict[str, torch.Tensor]:
     """The full fp32 module state dict of a DeepSpeed checkpoint dir, whatever its ZeRO stage or EP size."""
-    verify_checkpoint(tag_dir, trainer_state=False)  # untrusted: every file must load weights-only before DeepSpeed's loaders see it
+    verify_checkpoint(
+        tag_dir, trainer_state=False
+    )  # untrusted: every file must load weights-only before DeepSpeed's loaders see it
     root, tag = os.path.split(os.path.abspath(tag_dir))
     if has_expert_files(tag_dir):  # (DeepSpeed is imported only for the checkpoints that need it: start-up time)
         from training.parallel.ds_moe import consolidated_module_state
@@ -66,8 +69,9 @@ def export_checkpoint(path: str, out_dir: str) -> str:
 
 
 def _main(argv: list[str]) -> int:
-    a = parse_args(argv, {"checkpoint": None, "out": None}, positional=("checkpoint", "out"),
-                   kinds={"checkpoint": str, "out": str})
+    a = parse_args(
+        argv, {"checkpoint": None, "out": None}, positional=("checkpoint", "out"), kinds={"checkpoint": str, "out": str}
+    )
     out = export_checkpoint(a["checkpoint"], a["out"])
     print(f"exported {a['checkpoint']} -> {out}")
     return 0

@@ -12,6 +12,7 @@ Tokens stream to stdout as they are sampled; tokens/s of the decode phase goes t
 K3 decodes at a context-independent cost: KDA carries a fixed-size state and MLA attends over a 576-value latent
 per token, so tokens/s at 100 vs 4,000 tokens of context stay close.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,9 +31,22 @@ from model.generate import generate
 from training.tools.cli import ToolError, parse_args, run_tool
 from training.tools.export import load_checkpoint_model
 
-DEFAULTS: dict[str, Any] = {"checkpoint": None, "prompt": None, "prompt_ids": None, "max_new_tokens": 64,
-                            "temperature": 0.0, "top_k": None, "top_p": None, "seed": 0, "dtype": "float32",
-                            "device": "cpu", "bos": None, "bench": False, "contexts": "100,4000", "bench_tokens": 32}
+DEFAULTS: dict[str, Any] = {
+    "checkpoint": None,
+    "prompt": None,
+    "prompt_ids": None,
+    "max_new_tokens": 64,
+    "temperature": 0.0,
+    "top_k": None,
+    "top_p": None,
+    "seed": 0,
+    "dtype": "float32",
+    "device": "cpu",
+    "bos": None,
+    "bench": False,
+    "contexts": "100,4000",
+    "bench_tokens": 32,
+}
 _KINDS = {"checkpoint": str, "prompt": str, "prompt_ids": str, "top_k": int, "top_p": float, "bos": bool}
 GenerateError = ToolError
 
@@ -54,7 +68,8 @@ def trained_with_bos(*dirs: Path) -> bool:
 
 def is_hf_export(path: Path) -> bool:
     return (path / "config.json").is_file() and (
-        (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file())
+        (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()
+    )
 
 
 def load_model(checkpoint: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
@@ -98,7 +113,7 @@ class TextStream:
             self.out.write(f" {self.ids[-1]}")
         else:
             text = self.tok.decode(self.ids)
-            self.out.write(text[len(self.text):] if text.startswith(self.text) else text)
+            self.out.write(text[len(self.text) :] if text.startswith(self.text) else text)
             self.text = text
         self.out.flush()
 
@@ -118,8 +133,12 @@ def timed_generate(model, ids: list[int], max_new_tokens: int, callback=None, **
         out = generate(model, prompt, max_new_tokens, callback=cb, **sampling)
     n = len(stamps)
     decode_s = stamps[-1] - stamps[0] if n > 1 else 0.0
-    return {"ids": out[0, len(ids):].tolist(), "prefill_s": (stamps[0] - t0) if stamps else 0.0,
-            "new_tokens": n, "decode_tokens_per_s": (n - 1) / decode_s if decode_s > 0 else float("nan")}
+    return {
+        "ids": out[0, len(ids) :].tolist(),
+        "prefill_s": (stamps[0] - t0) if stamps else 0.0,
+        "new_tokens": n,
+        "decode_tokens_per_s": (n - 1) / decode_s if decode_s > 0 else float("nan"),
+    }
 
 
 def bench(model, contexts: Sequence[int], new_tokens: int, seed: int = 0) -> list[dict[str, Any]]:
@@ -146,12 +165,14 @@ def _main(argv: list[str]) -> int:
         rows = bench(model, contexts, a["bench_tokens"], a["seed"])
         print(f"{'context':>8} {'prefill s':>10} {'decode tok/s':>13} {'vs first':>9}")
         for r in rows:
-            print(f"{r['context']:>8} {r['prefill_s']:>10.3f} {r['decode_tokens_per_s']:>13.1f} "
-                  f"{r['decode_tokens_per_s'] / rows[0]['decode_tokens_per_s']:>9.2f}")
+            print(
+                f"{r['context']:>8} {r['prefill_s']:>10.3f} {r['decode_tokens_per_s']:>13.1f} "
+                f"{r['decode_tokens_per_s'] / rows[0]['decode_tokens_per_s']:>9.2f}"
+            )
         return 0
     tok = find_tokenizer(where, Path(a["checkpoint"]))
     if (a["prompt"] is None) == (a["prompt_ids"] is None):
-        raise GenerateError("give exactly one of prompt=\"text\" or prompt_ids=\"1 2 3\"")
+        raise GenerateError('give exactly one of prompt="text" or prompt_ids="1 2 3"')
     if a["prompt"] is not None:
         if tok is None:
             raise GenerateError(f"prompt= needs a tokenizer saved next to {where}; use prompt_ids= instead")
@@ -169,11 +190,23 @@ def _main(argv: list[str]) -> int:
         raise GenerateError(f"prompt token ids must be non-empty and in [0, {V}); got {len(ids)} ids")
     sys.stdout.write(a["prompt"] if a["prompt"] is not None else a["prompt_ids"])
     eos = tok.eos_id if tok is not None and tok.eos_id is not None else model.config.eos_token_id
-    r = timed_generate(model, ids, a["max_new_tokens"], callback=TextStream(tok), temperature=a["temperature"],
-                       top_k=a["top_k"], top_p=a["top_p"], seed=a["seed"], eos_token_id=eos)
+    r = timed_generate(
+        model,
+        ids,
+        a["max_new_tokens"],
+        callback=TextStream(tok),
+        temperature=a["temperature"],
+        top_k=a["top_k"],
+        top_p=a["top_p"],
+        seed=a["seed"],
+        eos_token_id=eos,
+    )
     sys.stdout.write("\n")
-    print(f"{r['new_tokens']} tokens, prefill {len(ids)} tokens in {r['prefill_s']:.3f} s, decode "
-          f"{r['decode_tokens_per_s']:.1f} tokens/s", file=sys.stderr)
+    print(
+        f"{r['new_tokens']} tokens, prefill {len(ids)} tokens in {r['prefill_s']:.3f} s, decode "
+        f"{r['decode_tokens_per_s']:.1f} tokens/s",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -4,10 +4,12 @@ Composes the same Hydra config as training (model, deepspeed, parallel, train gr
 assumptions under `plan.*` (nodes, gpus_per_node, gpu_memory_gb, cpu_memory_gb, peak_tflops, mfu, net_gbps,
 nvlink_gbps, a2a_overlap, dp_overlap, reserve_gb, attention, out, format) and prints a table (and JSON) of:
 parameters per GPU (dense vs expert shares), gradient and optimizer-state memory under the ZeRO stage and
-offload, activation memory of one micro-batch (training/tools/activation_memory.py), total vs GPU memory, FLOPs per token
+offload, activation memory of one micro-batch (training/tools/activation_memory.py), total vs GPU memory, FLOPs per
+token
 (training.metrics.flops, the trainer's MFU formula), all-to-all bytes per step per GPU, step time and tokens/s.
 Memory is in GB (1e9 bytes). Formulas and a worked K3 example: docs/planning.md.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,9 +19,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from training.tools.activation_memory import activation_bytes, loss_backward_bytes
 from training.metrics.flops import flops_per_token
 from training.metrics.system import GPU_PEAK_BF16
+from training.tools.activation_memory import activation_bytes, loss_backward_bytes
 
 GB = 1e9
 
@@ -94,8 +96,9 @@ def _largest_unit(config, bd: dict[str, int], ep: int) -> int:
     return int(max(V * d, mixer + max(moe, bd.get("dense_ffn_layer", 0))))
 
 
-def plan(config, layout: Layout, hw: Hardware, breakdown: dict[str, int] | None = None,
-         warnings: Sequence[str] = ()) -> dict[str, Any]:
+def plan(
+    config, layout: Layout, hw: Hardware, breakdown: dict[str, int] | None = None, warnings: Sequence[str] = ()
+) -> dict[str, Any]:
     """The full plan as a JSON-able dict (bytes in GB, times in s). `breakdown` = model.params.param_breakdown."""
     if breakdown is None:
         from model.params import param_breakdown
@@ -113,8 +116,9 @@ def plan(config, layout: Layout, hw: Hardware, breakdown: dict[str, int] | None 
 
     def shard(stage_min: int) -> float:
         """Local count of a state kind that ZeRO partitions over its DP group from stage `stage_min` on."""
-        return (params["dense"] / (dp_dense if z >= stage_min else 1)
-                + params["expert"] / (dp_expert if z >= stage_min else 1))
+        return params["dense"] / (dp_dense if z >= stage_min else 1) + params["expert"] / (
+            dp_expert if z >= stage_min else 1
+        )
 
     w_local, g_local, o_local = shard(3), shard(2), shard(1)
     gpu = {
@@ -124,15 +128,17 @@ def plan(config, layout: Layout, hw: Hardware, breakdown: dict[str, int] | None 
     }
     # ZeRO-Offload also keeps an fp32 gradient partition beside the CPU optimizer (measured: bench/memory_dist.py)
     cpu_per_gpu = (o_local * (per["optimizer"] + 4) if layout.offload_optimizer else 0.0) + (
-        w_local * per["weights"] if layout.offload_param else 0.0)
+        w_local * per["weights"] if layout.offload_param else 0.0
+    )
     if z == 3:  # gathered working set: the layer being computed + the prefetched next one
         gpu["zero3_gathered"] = 2.0 * _largest_unit(config, bd, ep) * per["weights"]
     # ZeRO-3 reduces through one bucket unless overlap_comm double-buffers it (measured: bench/memory_dist.py)
     n_buckets = 1.0 if z == 3 and not layout.overlap_comm else 2.0
     gpu["comm_buckets"] = n_buckets * layout.reduce_bucket_size * per["grads"]
     act_b = 2 if layout.precision == "bf16" else 4
-    acts = activation_bytes(config, layout.micro_batch_size, layout.seq_len, act_b,
-                            layout.activation_checkpointing, hw.attention)
+    acts = activation_bytes(
+        config, layout.micro_batch_size, layout.seq_len, act_b, layout.activation_checkpointing, hw.attention
+    )
     gpu["activations"] = acts["total"]
     gpu["loss_backward"] = loss_backward_bytes(config, layout.micro_batch_size, layout.seq_len, act_b)
     gpu["reserve"] = hw.reserve_gb * GB
@@ -165,24 +171,45 @@ def plan(config, layout: Layout, hw: Hardware, breakdown: dict[str, int] | None 
     tokens_step = tokens_gpu * W
 
     return {
-        "model": {"total_params": bd["total"], "active_params": bd["active"], "expert_params": n_expert,
-                  "dense_params": n_dense, "flops_per_token_train": fpt},
-        "layout": dataclasses.asdict(layout), "hardware": {**dataclasses.asdict(hw), "world": W},
-        "params_per_gpu": {"dense": params["dense"] / (dp_dense if z >= 3 else 1),
-                           "expert": params["expert"] / (dp_expert if z >= 3 else 1),
-                           "dense_full": params["dense"], "expert_full": params["expert"]},
+        "model": {
+            "total_params": bd["total"],
+            "active_params": bd["active"],
+            "expert_params": n_expert,
+            "dense_params": n_dense,
+            "flops_per_token_train": fpt,
+        },
+        "layout": dataclasses.asdict(layout),
+        "hardware": {**dataclasses.asdict(hw), "world": W},
+        "params_per_gpu": {
+            "dense": params["dense"] / (dp_dense if z >= 3 else 1),
+            "expert": params["expert"] / (dp_expert if z >= 3 else 1),
+            "dense_full": params["dense"],
+            "expert_full": params["expert"],
+        },
         "gpu_memory_gb": {k: v / GB for k, v in gpu.items()} | {"total": gpu_total / GB},
         "activations_gb": {k: v / GB for k, v in acts.items()},
         "cpu_memory_gb_per_node": cpu_per_gpu * hw.gpus_per_node / GB,
-        "fits": {"gpu": gpu_total <= hw.gpu_memory_gb * GB, "gpu_headroom_gb": hw.gpu_memory_gb - gpu_total / GB,
-                 "cpu": cpu_per_gpu * hw.gpus_per_node <= hw.cpu_memory_gb * GB,
-                 "cpu_headroom_gb": hw.cpu_memory_gb - cpu_per_gpu * hw.gpus_per_node / GB},
-        "comm_per_step_per_gpu_gb": {"moe_all_to_all": a2a / GB, "moe_all_to_all_inter_node": a2a_inter / GB,
-                                     "dp_gradients": (dp_dense_b + dp_exp_b) / GB},
+        "fits": {
+            "gpu": gpu_total <= hw.gpu_memory_gb * GB,
+            "gpu_headroom_gb": hw.gpu_memory_gb - gpu_total / GB,
+            "cpu": cpu_per_gpu * hw.gpus_per_node <= hw.cpu_memory_gb * GB,
+            "cpu_headroom_gb": hw.cpu_memory_gb - cpu_per_gpu * hw.gpus_per_node / GB,
+        },
+        "comm_per_step_per_gpu_gb": {
+            "moe_all_to_all": a2a / GB,
+            "moe_all_to_all_inter_node": a2a_inter / GB,
+            "dp_gradients": (dp_dense_b + dp_exp_b) / GB,
+        },
         "warnings": list(warnings),
-        "time": {"compute_s": compute_s, "all_to_all_s": a2a_s, "dp_comm_s": dp_s, "step_s": step_s,
-                 "tokens_per_step": tokens_step, "tokens_per_s": tokens_step / step_s,
-                 "tokens_per_s_per_gpu": tokens_gpu / step_s},
+        "time": {
+            "compute_s": compute_s,
+            "all_to_all_s": a2a_s,
+            "dp_comm_s": dp_s,
+            "step_s": step_s,
+            "tokens_per_step": tokens_step,
+            "tokens_per_s": tokens_step / step_s,
+            "tokens_per_s_per_gpu": tokens_gpu / step_s,
+        },
     }
 
 
@@ -195,39 +222,67 @@ def _fmt_n(n: float) -> str:
 
 def format_table(p: dict[str, Any]) -> str:
     m, lay, hw, g, t = p["model"], p["layout"], p["hardware"], p["gpu_memory_gb"], p["time"]
-    offload = ((" +opt offload" if lay["offload_optimizer"] else "")
-               + (" +param offload" if lay["offload_param"] else ""))
+    offload = (" +opt offload" if lay["offload_optimizer"] else "") + (
+        " +param offload" if lay["offload_param"] else ""
+    )
     ppg = p["params_per_gpu"]
     rows = [
-        ("model", f"{_fmt_n(m['total_params'])} total, {_fmt_n(m['active_params'])} active "
-                  f"({_fmt_n(m['expert_params'])} in routed experts)"),
-        ("layout", f"{hw['nodes']} nodes x {hw['gpus_per_node']} GPUs = {hw['world']}, ZeRO-{lay['zero_stage']}"
-                   f"{offload}, EP {lay['ep_size']}, {lay['precision']}"),
-        ("batch", f"micro {lay['micro_batch_size']} x seq {lay['seq_len']} x GA {lay['grad_accum']} x DP "
-                  f"{hw['world']} = {t['tokens_per_step']:,} tokens/step; activation ckpt "
-                  f"{lay['activation_checkpointing']}"),
+        (
+            "model",
+            f"{_fmt_n(m['total_params'])} total, {_fmt_n(m['active_params'])} active "
+            f"({_fmt_n(m['expert_params'])} in routed experts)",
+        ),
+        (
+            "layout",
+            f"{hw['nodes']} nodes x {hw['gpus_per_node']} GPUs = {hw['world']}, ZeRO-{lay['zero_stage']}"
+            f"{offload}, EP {lay['ep_size']}, {lay['precision']}",
+        ),
+        (
+            "batch",
+            f"micro {lay['micro_batch_size']} x seq {lay['seq_len']} x GA {lay['grad_accum']} x DP "
+            f"{hw['world']} = {t['tokens_per_step']:,} tokens/step; activation ckpt "
+            f"{lay['activation_checkpointing']}",
+        ),
         ("params / GPU", f"dense {_fmt_n(ppg['dense'])} + expert {_fmt_n(ppg['expert'])}"),
     ]
     for k, v in g.items():
         if k != "total":
             rows.append((f"  GPU {k}", f"{v:10.2f} GB"))
-    peak_rule = ("every term" if grads_persist(Layout(**lay)) else
-                 "max(activations + loss_backward, grads) + the other terms: fp32 ZeRO-0 creates grads in backward")
-    rows.append(("GPU total", f"{g['total']:10.2f} GB of {hw['gpu_memory_gb']:.0f} GB -> "
-                              f"{'FITS' if p['fits']['gpu'] else 'DOES NOT FIT'} "
-                              f"({p['fits']['gpu_headroom_gb']:+.1f} GB); peak = {peak_rule}"))
+    peak_rule = (
+        "every term"
+        if grads_persist(Layout(**lay))
+        else "max(activations + loss_backward, grads) + the other terms: fp32 ZeRO-0 creates grads in backward"
+    )
+    rows.append(
+        (
+            "GPU total",
+            f"{g['total']:10.2f} GB of {hw['gpu_memory_gb']:.0f} GB -> "
+            f"{'FITS' if p['fits']['gpu'] else 'DOES NOT FIT'} "
+            f"({p['fits']['gpu_headroom_gb']:+.1f} GB); peak = {peak_rule}",
+        )
+    )
     if p["cpu_memory_gb_per_node"]:
-        rows.append(("CPU offload / node", f"{p['cpu_memory_gb_per_node']:10.1f} GB of {hw['cpu_memory_gb']:.0f} "
-                                           f"GB -> {'fits' if p['fits']['cpu'] else 'DOES NOT FIT'}"))
+        rows.append(
+            (
+                "CPU offload / node",
+                f"{p['cpu_memory_gb_per_node']:10.1f} GB of {hw['cpu_memory_gb']:.0f} "
+                f"GB -> {'fits' if p['fits']['cpu'] else 'DOES NOT FIT'}",
+            )
+        )
     c = p["comm_per_step_per_gpu_gb"]
     rows += [
         ("FLOPs / token (train)", f"{m['flops_per_token_train']:.3e}"),
-        ("MoE all-to-all / GPU", f"{c['moe_all_to_all']:.2f} GB/step "
-                                 f"({c['moe_all_to_all_inter_node']:.2f} GB inter-node)"),
+        (
+            "MoE all-to-all / GPU",
+            f"{c['moe_all_to_all']:.2f} GB/step ({c['moe_all_to_all_inter_node']:.2f} GB inter-node)",
+        ),
         ("DP gradients / GPU", f"{c['dp_gradients']:.2f} GB/step"),
-        ("step time", f"{t['step_s']:.2f} s = compute {t['compute_s']:.2f} + a2a {t['all_to_all_s']:.2f} "
-                      f"x{1 - hw['a2a_overlap']:.1f} + DP {t['dp_comm_s']:.2f} x{1 - hw['dp_overlap']:.1f} "
-                      f"(MFU {hw['mfu']:.0%} of {hw['peak_tflops']:.0f} TFLOP/s)"),
+        (
+            "step time",
+            f"{t['step_s']:.2f} s = compute {t['compute_s']:.2f} + a2a {t['all_to_all_s']:.2f} "
+            f"x{1 - hw['a2a_overlap']:.1f} + DP {t['dp_comm_s']:.2f} x{1 - hw['dp_overlap']:.1f} "
+            f"(MFU {hw['mfu']:.0%} of {hw['peak_tflops']:.0f} TFLOP/s)",
+        ),
         ("throughput", f"{t['tokens_per_s']:,.0f} tokens/s ({t['tokens_per_s_per_gpu']:,.0f} per GPU)"),
     ]
     rows += [("warning", w) for w in p.get("warnings", [])]
@@ -246,7 +301,7 @@ def split_overrides(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
         if key.startswith("plan."):
             if "=" not in key:
                 raise ValueError(f"{arg!r} needs a value: plan.<key>=<value>")
-            k, v = key[len("plan."):].split("=", 1)
+            k, v = key[len("plan.") :].split("=", 1)
             if k not in _PLAN_FIELDS:
                 raise ValueError(f"unknown planner key plan.{k}; choose from {sorted(_PLAN_FIELDS)}")
             planner[k] = v
@@ -276,13 +331,19 @@ def from_overrides(argv: Sequence[str]) -> tuple[Any, Layout, Hardware, dict[str
     precision = cfg.train.precision
     if precision == "auto":
         precision = "bf16" if device == "gpu" else "fp32"
-    layout = Layout(zero_stage=int(cfg.deepspeed.zero_stage), offload_optimizer=bool(cfg.deepspeed.offload_optimizer),
-                    offload_param=bool(cfg.deepspeed.offload_param), ep_size=int(cfg.parallel.ep_size),
-                    micro_batch_size=int(cfg.train.micro_batch_size), seq_len=int(cfg.train.seq_len),
-                    grad_accum=int(cfg.train.grad_accum),
-                    activation_checkpointing=bool(cfg.train.activation_checkpointing), precision=precision,
-                    reduce_bucket_size=int(cfg.deepspeed.reduce_bucket_size),
-                    overlap_comm=bool(cfg.deepspeed.overlap_comm))
+    layout = Layout(
+        zero_stage=int(cfg.deepspeed.zero_stage),
+        offload_optimizer=bool(cfg.deepspeed.offload_optimizer),
+        offload_param=bool(cfg.deepspeed.offload_param),
+        ep_size=int(cfg.parallel.ep_size),
+        micro_batch_size=int(cfg.train.micro_batch_size),
+        seq_len=int(cfg.train.seq_len),
+        grad_accum=int(cfg.train.grad_accum),
+        activation_checkpointing=bool(cfg.train.activation_checkpointing),
+        precision=precision,
+        reduce_bucket_size=int(cfg.deepspeed.reduce_bucket_size),
+        overlap_comm=bool(cfg.deepspeed.overlap_comm),
+    )
     warnings = []
     try:
         validate(cfg, hw.world)

@@ -5,6 +5,7 @@ matplotlib only). Reads the run's own `metrics.jsonl` / `expert_load.jsonl` (wri
 PNGs plus an `index.html` that shows them: loss, lr, grad norm, tokens/s, MFU, router health per layer over
 time, and expert-load heatmaps (layers x experts) at chosen steps.
 """
+
 from __future__ import annotations
 
 import html
@@ -24,10 +25,18 @@ from training.metrics.router import bucket_experts
 from training.metrics.sinks import read_jsonl
 from training.tools.cli import parse_args, run_tool
 
-SCALARS = (("loss", "loss"), ("lr", "learning rate"), ("grad_norm", "gradient norm"),
-           ("tokens_per_s", "tokens / s"), ("mfu", "MFU"))
-ROUTER = (("maxvio", "MaxVio (max load / mean load - 1)"), ("load_cv", "load CV"),
-          ("dead_frac", "dead-expert fraction"))
+SCALARS = (
+    ("loss", "loss"),
+    ("lr", "learning rate"),
+    ("grad_norm", "gradient norm"),
+    ("tokens_per_s", "tokens / s"),
+    ("mfu", "MFU"),
+)
+ROUTER = (
+    ("maxvio", "MaxVio (max load / mean load - 1)"),
+    ("load_cv", "load CV"),
+    ("dead_frac", "dead-expert fraction"),
+)
 _LAYER_KEY = re.compile(r"^router/layer(\d+)/(\w+)$")
 
 
@@ -67,7 +76,7 @@ def plot_scalar(records, key: str, label: str, out: Path) -> Path | None:
     ax.plot(s, v, lw=1.2)
     if key == "loss" and len(v) > 10:  # a smoothed trend on top of the raw curve
         w = max(2, len(v) // 20)
-        ax.plot(s[w - 1:], np.convolve(v, np.ones(w) / w, mode="valid"), lw=2, label=f"mean of {w}")
+        ax.plot(s[w - 1 :], np.convolve(v, np.ones(w) / w, mode="valid"), lw=2, label=f"mean of {w}")
         ax.legend()
     ax.set_xlabel("step")
     ax.set_ylabel(label)
@@ -90,8 +99,14 @@ def plot_router(records, name: str, label: str, out: Path) -> Path | None:
     cmap = matplotlib.colormaps["viridis"]
     for j, lid in enumerate(layers):
         s, v = series(records, f"router/layer{lid}/{name}")
-        ax.plot(s, v, lw=0.8, alpha=0.7, color=cmap(j / max(1, len(layers) - 1)),
-                label=f"layer {lid}" if len(layers) <= 8 else None)
+        ax.plot(
+            s,
+            v,
+            lw=0.8,
+            alpha=0.7,
+            color=cmap(j / max(1, len(layers) - 1)),
+            label=f"layer {lid}" if len(layers) <= 8 else None,
+        )
     if len(s_mean):
         ax.plot(s_mean, v_mean, lw=2.2, color="black", label="mean over layers")
     ax.set_xlabel("step")
@@ -135,28 +150,45 @@ def plot_heatmap(rec: dict[str, Any], out: Path, max_columns: int = 256) -> Path
 
 
 def _last_values(records) -> dict[str, Any]:
-    keys = ["step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "router/maxvio", "router/load_cv",
-            "router/dead_frac"]
+    keys = [
+        "step",
+        "loss",
+        "lr",
+        "grad_norm",
+        "tokens_per_s",
+        "mfu",
+        "router/maxvio",
+        "router/load_cv",
+        "router/dead_frac",
+    ]
     last = records[-1] if records else {}
     return {k: last[k] for k in keys if k in last}
 
 
 def write_index(out: Path, run_dir: Path, images: list[tuple[str, Path]], table: dict[str, Any]) -> Path:
-    rows = "".join(f"<tr><td>{html.escape(k)}</td><td>{html.escape(f'{v:.6g}' if isinstance(v, float) else str(v))}"
-                   f"</td></tr>" for k, v in table.items())
-    figs = "".join(f'<figure><img src="{html.escape(p.name)}" alt="{html.escape(t)}"><figcaption>'
-                   f"{html.escape(t)}</figcaption></figure>" for t, p in images)
-    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>k3-train report: {html.escape(run_dir.name)}"
-            "</title><style>body{font-family:sans-serif;margin:2em}figure{display:inline-block;margin:.5em}"
-            "img{max-width:640px}td{padding:0 1em}</style></head><body>"
-            f"<h1>Run {html.escape(str(run_dir))}</h1><table>{rows}</table>{figs}</body></html>\n")
+    rows = "".join(
+        f"<tr><td>{html.escape(k)}</td><td>{html.escape(f'{v:.6g}' if isinstance(v, float) else str(v))}</td></tr>"
+        for k, v in table.items()
+    )
+    figs = "".join(
+        f'<figure><img src="{html.escape(p.name)}" alt="{html.escape(t)}"><figcaption>'
+        f"{html.escape(t)}</figcaption></figure>"
+        for t, p in images
+    )
+    page = (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>k3-train report: {html.escape(run_dir.name)}"
+        "</title><style>body{font-family:sans-serif;margin:2em}figure{display:inline-block;margin:.5em}"
+        "img{max-width:640px}td{padding:0 1em}</style></head><body>"
+        f"<h1>Run {html.escape(str(run_dir))}</h1><table>{rows}</table>{figs}</body></html>\n"
+    )
     path = out / "index.html"
     path.write_text(page, encoding="utf-8")
     return path
 
 
-def build_report(run_dir: str | Path, out: str | Path | None = None,
-                 heatmap_steps: Sequence[int] | None = None) -> dict[str, Path]:
+def build_report(
+    run_dir: str | Path, out: str | Path | None = None, heatmap_steps: Sequence[int] | None = None
+) -> dict[str, Path]:
     """Render every plot the run's logs allow; returns {title: path} including 'index'."""
     run_dir = Path(run_dir)
     metrics_path = run_dir / "metrics.jsonl"
@@ -182,12 +214,16 @@ def build_report(run_dir: str | Path, out: str | Path | None = None,
     if summary.is_file():
         table.update({f"summary/{k}": v for k, v in json.loads(summary.read_text()).items()})
     index = write_index(out, run_dir, images, table)
-    return {**{t: p for t, p in images}, "index": index}
+    return {**dict(images), "index": index}
 
 
 def _main(argv: list[str]) -> int:
-    a = parse_args(argv, {"run_dir": None, "out": None, "steps": None}, positional=("run_dir",),
-                   kinds={"run_dir": str, "out": str, "steps": str})
+    a = parse_args(
+        argv,
+        {"run_dir": None, "out": None, "steps": None},
+        positional=("run_dir",),
+        kinds={"run_dir": str, "out": str, "steps": str},
+    )
     steps = [int(x) for x in a["steps"].split(",") if x] if a["steps"] else None
     files = build_report(a["run_dir"], a["out"], steps)
     print(f"wrote {len(files) - 1} plots and {files['index']}")
