@@ -172,7 +172,7 @@ def read_hf_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for file in _tensor_files(os.fspath(path)):
         with safe_open(file, framework="pt", device="cpu") as f:
-            for key in f:
+            for key in f.keys():  # noqa: SIM118 - safetensors safe_open is not iterable
                 name = _canonical(key)
                 if name is not None:
                     out[name] = f.get_tensor(key)
@@ -312,7 +312,7 @@ class HFReader:
         self.where: dict[str, tuple[str, str]] = {}  # canonical key -> (file, stored key)
         for file in _tensor_files(self.path):
             with safe_open(file, framework="pt", device="cpu") as f:
-                for key in f:
+                for key in f.keys():  # noqa: SIM118 - safetensors safe_open is not iterable
                     name = _canonical(key)
                     if name is not None:
                         self.where[name] = (file, key)
