@@ -24,6 +24,7 @@ from model.kda import KDA, KDACache
 from model.mla import GatedMLA, MLACache
 from model.moe.layer import LatentMoE
 from model.norm import RMSNorm, upcast
+from model.sequence import SequenceShard
 
 IGNORE_INDEX = -100
 
@@ -111,10 +112,18 @@ def shift_targets(labels_BT: torch.Tensor, cu_seqlens: torch.Tensor | None = Non
 
 
 def causal_lm_loss(
-    logits_BTV: torch.Tensor, labels_BT: torch.Tensor, cu_seqlens: torch.Tensor | None = None
+    logits_BTV: torch.Tensor,
+    labels_BT: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None = None,
+    targets_BT: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean next-token CE in >= fp32, number of counted targets)."""
-    targets_N = shift_targets(labels_BT, cu_seqlens).reshape(-1)
+    """(mean next-token CE in >= fp32, number of counted targets), from labels (shifted here) or from targets
+    already shifted (`shift_targets` of the whole sequence, sliced: sequence parallelism)."""
+    if targets_BT is None:
+        if labels_BT is None:
+            raise ValueError("causal_lm_loss needs labels or targets")
+        targets_BT = shift_targets(labels_BT, cu_seqlens)
+    targets_N = targets_BT.reshape(-1)
     logits_NV = logits_BTV.reshape(-1, logits_BTV.shape[-1])
     total = _ChunkedCrossEntropy.apply(logits_NV, targets_N, _ce_chunk_rows(logits_NV.shape[-1]))
     count = (targets_N != IGNORE_INDEX).sum()
@@ -260,6 +269,7 @@ class K3ForCausalLM(nn.Module):
         self.config = config
         self.model = K3Model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.sequence_shard: SequenceShard | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -281,12 +291,19 @@ class K3ForCausalLM(nn.Module):
     def moe_layers(self) -> list[nn.Module]:
         return [layer.block_sparse_moe for layer in self.decoder_layers() if layer.is_moe]
 
+    def set_sequence_shard(self, shard: SequenceShard | None) -> None:
+        """Split every sequence over ranks (model/sequence.py): forward then takes this rank's tokens, the whole
+        sequence's cu_seqlens and `targets` instead of labels; every mixer sees its head group of all tokens."""
+        self.sequence_shard = shard
+        for layer in self.decoder_layers():
+            layer.self_attn.sequence_shard = shard
+
     def set_gradient_checkpointing(self, enabled: bool = True) -> None:
         for layer in self.decoder_layers():
             layer.gradient_checkpointing = enabled
 
     # --- forward -----------------------------------------------------------------------------------------------
-    def _check_inputs(self, input_ids, labels, cu_seqlens, cache) -> None:
+    def _check_inputs(self, input_ids, labels, cu_seqlens, cache, targets) -> None:
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(
                 f"input_ids must be an int64 tensor [batch, seq], got {input_ids.dtype} "
@@ -297,14 +314,26 @@ class K3ForCausalLM(nn.Module):
                 f"labels {tuple(labels.shape)} must have the shape of input_ids "
                 f"{tuple(input_ids.shape)} (HF convention: the model shifts them)"
             )
+        if labels is not None and targets is not None:
+            raise ValueError("pass labels (shifted by the model) or targets (already shifted), not both")
+        if targets is not None and targets.shape != input_ids.shape:
+            raise ValueError(
+                f"targets {tuple(targets.shape)} must have the shape of input_ids {tuple(input_ids.shape)}"
+            )
+        shard = self.sequence_shard
+        if shard is not None and labels is not None:
+            raise ValueError(
+                "a sequence-sharded model takes targets, not labels: shift_targets on the whole sequence, then slice"
+            )
+        T = input_ids.shape[1] * (shard.size if shard is not None else 1)
         if cu_seqlens is not None:
             if input_ids.shape[0] != 1:
                 raise ValueError(
                     f"cu_seqlens needs batch size 1 (packed documents), got batch {input_ids.shape[0]}; "
                     "flatten the batch into one row"
                 )
-            if cu_seqlens.dim() != 1 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != input_ids.shape[1]:
-                raise ValueError(f"cu_seqlens must be 1-D [0, ..., T={input_ids.shape[1]}], got {cu_seqlens.tolist()}")
+            if cu_seqlens.dim() != 1 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != T:
+                raise ValueError(f"cu_seqlens must be 1-D [0, ..., T={T}], got {cu_seqlens.tolist()}")
             if cache is not None:
                 raise ValueError("cu_seqlens and cache cannot be combined; decode one document at a time")
 
@@ -314,8 +343,11 @@ class K3ForCausalLM(nn.Module):
         labels: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         cache: K3Cache | None = None,
+        targets: torch.Tensor | None = None,
     ) -> K3Output:
-        self._check_inputs(input_ids, labels, cu_seqlens, cache)
+        """`labels` (HF: shifted here) or `targets` (position t's next-token id, -100 = not counted) give the
+        loss; under `set_sequence_shard` input_ids/targets are this rank's slice, cu_seqlens the whole sequence's."""
+        self._check_inputs(input_ids, labels, cu_seqlens, cache, targets)
         hidden_BTD, stats = self.model(input_ids, cu_seqlens=cu_seqlens, cache=cache)
         if cache is not None:
             cache.seen_tokens += input_ids.shape[1]
@@ -323,8 +355,8 @@ class K3ForCausalLM(nn.Module):
         aux = [s.aux_loss for s in stats if getattr(s, "aux_loss", None) is not None]
         aux_loss = torch.stack([upcast(a) for a in aux]).sum() if aux else None
         loss = count = None
-        if labels is not None:
-            loss, count = causal_lm_loss(logits_BTV, labels, cu_seqlens)
+        if labels is not None or targets is not None:
+            loss, count = causal_lm_loss(logits_BTV, labels, cu_seqlens, targets)
             if aux_loss is not None and self.config.moe_balance == "aux":
                 loss = loss + aux_loss
         return K3Output(logits=logits_BTV, loss=loss, router_stats=stats, aux_loss=aux_loss, num_loss_tokens=count)

@@ -20,6 +20,7 @@ from torch import nn
 
 from model.config import K3Config
 from model.norm import RMSNorm, upcast
+from model.sequence import SequenceShard, gather_shared, head_slice
 
 # NeMo/BatchGen/mlxcel build both latent norms with eps 1e-6, not rms_norm_eps (docs/model.md §12).
 MLA_LATENT_NORM_EPS = 1e-6
@@ -192,6 +193,7 @@ class GatedMLA(nn.Module):
         self.o_proj = nn.Linear(H * self.v_dim, d, bias=False)
         if self.use_output_gate:
             self.g_proj = nn.Linear(d, H * self.v_dim, bias=False)
+        self.sequence_shard: SequenceShard | None = None  # set by sequence parallelism (model/sequence.py)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -221,16 +223,30 @@ class GatedMLA(nn.Module):
         cache: MLACache | None = None,
         absorbed: bool | None = None,
     ) -> torch.Tensor:
-        """`absorbed` picks the attention form (default: absorbed iff a cache is given); both are exact."""
-        self._check_inputs(x_BTD, cu_seqlens, cache)
-        B, T, _ = x_BTD.shape
+        """`absorbed` picks the attention form (default: absorbed iff a cache is given); both are exact.
+
+        With `sequence_shard` set, x holds this rank's T/N tokens: queries go to [T, H/N] by the head all-to-all,
+        the head-shared latent stream is gathered whole, this rank's heads attend over every token (documents from
+        the whole sequence's cu_seqlens) and the outputs return to the token shard (model/sequence.py)."""
+        shard = self.sequence_shard
+        self._check_inputs(x_BTD, cu_seqlens, cache, shard)
+        B, t, _ = x_BTD.shape
         q_BTHE = self._query(x_BTD)
         c_kv_BSR, k_r_BSD = self._latent(x_BTD)
+        w_kvb, heads = self.kv_b_proj.weight, self.num_heads
+        if shard is not None:
+            own = head_slice(shard, self.num_heads)
+            heads = own.stop - own.start
+            q_BTHE = shard.to_head_shard(q_BTHE)  # [B, T, h, E]
+            latent_BSC = gather_shared(shard, torch.cat([c_kv_BSR, k_r_BSD], dim=-1))
+            c_kv_BSR, k_r_BSD = latent_BSC.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+            w_kvb = w_kvb.view(self.num_heads, -1, self.kv_lora_rank)[own].reshape(-1, self.kv_lora_rank)
+        T = q_BTHE.shape[1]
         if cache is not None:
             c_kv_BSR, k_r_BSD = cache.append(c_kv_BSR, k_r_BSD)
         use_absorbed = cache is not None if absorbed is None else absorbed
         attend = absorbed_mla_attention if use_absorbed else naive_mla_attention
-        args = (self.kv_b_proj.weight, self.num_heads, self.nope_dim, self.v_dim)
+        args = (w_kvb, heads, self.nope_dim, self.v_dim)
         if cu_seqlens is not None and x_BTD.device.type == "cpu" and not use_absorbed:
             # packed documents on CPU: one causal call per document selects the CPU flash kernel (no T x T mask,
             # scores or probabilities; causal work skipped), where a block-diagonal mask forces the math path
@@ -246,14 +262,25 @@ class GatedMLA(nn.Module):
         else:
             mask_TS, is_causal = attention_mask(T, c_kv_BSR.shape[1], cu_seqlens, x_BTD.device)
             o_BTHV = attend(q_BTHE, c_kv_BSR, k_r_BSD, *args, mask_TS, is_causal, self.scale)
-        o_BTF = o_BTHV.reshape(B, T, self.num_heads * self.v_dim)
+        if shard is not None:
+            o_BTHV = shard.to_token_shard(o_BTHV)  # [B, T, h, dv] -> [B, t, H, dv]
+        o_BTF = o_BTHV.reshape(B, t, self.num_heads * self.v_dim)
         if self.use_output_gate:  # element-wise, head-specific, query-dependent sigmoid (Gated Attention G1)
             o_BTF = (torch.sigmoid(upcast(self.g_proj(x_BTD))) * upcast(o_BTF)).to(x_BTD.dtype)
         return self.o_proj(o_BTF)
 
-    def _check_inputs(self, x_BTD: torch.Tensor, cu_seqlens: torch.Tensor | None, cache: MLACache | None) -> None:
+    def _check_inputs(
+        self,
+        x_BTD: torch.Tensor,
+        cu_seqlens: torch.Tensor | None,
+        cache: MLACache | None,
+        shard: SequenceShard | None,
+    ) -> None:
         if x_BTD.dim() != 3 or x_BTD.shape[-1] != self.hidden_size:
             raise ValueError(f"GatedMLA expects x of shape [B, T, {self.hidden_size}], got {tuple(x_BTD.shape)}")
+        if shard is not None and cache is not None:
+            raise ValueError("GatedMLA: a decode cache cannot be combined with sequence parallelism")
+        T = x_BTD.shape[1] * (shard.size if shard is not None else 1)
         if cu_seqlens is None:
             return
         if cache is not None:
@@ -271,8 +298,8 @@ class GatedMLA(nn.Module):
             )
         if cu_seqlens.device.type == "cpu":  # value check only where it costs no device->host sync
             cu = cu_seqlens.tolist()
-            if len(cu) < 2 or cu[0] != 0 or cu[-1] != x_BTD.shape[1] or any(b < a for a, b in zip(cu, cu[1:])):
-                raise ValueError(f"cu_seqlens must rise from 0 to T={x_BTD.shape[1]} (non-decreasing), got {cu}")
+            if len(cu) < 2 or cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
+                raise ValueError(f"cu_seqlens must rise from 0 to T={T} (non-decreasing), got {cu}")
 
     def extra_repr(self) -> str:
         return (

@@ -99,6 +99,7 @@ def tiny(cmd: str, tmp: Path) -> str:
     m = re.search(r"-m (bench\.\w+)", cmd)
     if m and m.group(1) in BENCH_TINY:
         cmd = re.sub(r"--cases(\s+\S+:\d+)+|--reps \d+|--quick", "", cmd)
+        cmd = re.sub(r"--sp(\s+\S+:\d+)+", "--sp tiny:64", cmd)  # the sequence-parallel mode: a tiny sequence
         return cmd + BENCH_TINY[m.group(1)]
     return cmd
 

@@ -163,6 +163,7 @@ class DeepSpeedSection:
 @dataclass
 class ParallelSection:
     ep_size: int = 1
+    sp_size: int = 1  # Ulysses sequence parallelism: each sequence split over this many ranks (training/parallel)
 
 
 @dataclass
@@ -240,8 +241,37 @@ def resolve_run_dir(cfg: DictConfig) -> str:
     return os.path.abspath(cfg.run_dir or os.path.join("runs", cfg.name))
 
 
+def data_parallel_size(cfg: DictConfig, world_size: int) -> int:
+    """Ranks that hold different rows: the world divided by the sequence-parallel size (its ranks share rows)."""
+    return world_size // int(cfg.parallel.sp_size)
+
+
 def global_batch_rows(cfg: DictConfig, world_size: int) -> int:
-    return cfg.train.micro_batch_size * cfg.train.grad_accum * world_size
+    return cfg.train.micro_batch_size * cfg.train.grad_accum * data_parallel_size(cfg, world_size)
+
+
+def check_sequence_parallel(cfg: DictConfig, mcfg: K3Config, world_size: int) -> None:
+    """`parallel.sp_size` must split the world, the sequence and every mixer's heads (training/parallel/ulysses.py)."""
+    sp, seq_len = int(cfg.parallel.sp_size), int(cfg.train.seq_len)
+    if sp < 1:
+        raise TrainConfigError(f"parallel.sp_size must be >= 1, got {sp}")
+    if sp == 1:
+        return
+    if world_size % sp:
+        raise TrainConfigError(
+            f"parallel.sp_size={sp} must divide the world size {world_size}; change sp_size or --num_gpus"
+        )
+    if seq_len % sp:
+        raise TrainConfigError(f"train.seq_len={seq_len} must be divisible by parallel.sp_size={sp}")
+    for what, heads in (
+        ("linear_attn_config.num_heads (KDA)", mcfg.kda_num_heads),
+        ("num_attention_heads (MLA)", mcfg.num_attention_heads),
+    ):
+        if heads % sp:
+            raise TrainConfigError(
+                f"model {what}={heads} is not divisible by parallel.sp_size={sp}: Ulysses splits heads over the "
+                f"sequence-parallel ranks; pick an sp_size dividing {heads}"
+            )
 
 
 def build_model_config(cfg: DictConfig) -> K3Config:
@@ -325,6 +355,7 @@ def validate(cfg: DictConfig, world_size: int) -> K3Config:
         mcfg.num_experts % par.ep_size == 0,
         f"parallel.ep_size={par.ep_size} must divide model.num_experts={mcfg.num_experts}",
     )
+    check_sequence_parallel(cfg, mcfg, world_size)
     check_parallel_layout(cfg, world_size)
     need(0 <= cfg.schedule.warmup_frac < 1, f"schedule.warmup_frac must be in [0, 1), got {cfg.schedule.warmup_frac}")
     need(0 <= cfg.schedule.decay_frac <= 1, f"schedule.decay_frac must be in [0, 1], got {cfg.schedule.decay_frac}")

@@ -68,6 +68,8 @@ def build_ds_config(cfg: DictConfig, world_size: int) -> dict[str, Any]:
     }
     if bf16:
         out["data_types"] = {"grad_accum_dtype": "fp32"}
+    if int(cfg.parallel.sp_size) > 1:  # DeepSpeed's key; the groups come with the mpu (training/parallel/ulysses)
+        out["sequence_parallel_size"] = int(cfg.parallel.sp_size)
     if ds.offload_optimizer or ds.offload_param:
         # offload needs DeepSpeed's own CPU Adam (DeepSpeed refuses a client optimizer with offload)
         out["optimizer"] = {
@@ -153,10 +155,16 @@ def build_optimizer(
 
 
 def initialize(
-    cfg: DictConfig, model: nn.Module, ds_config: dict[str, Any], groups=None, total_steps: int | None = None
+    cfg: DictConfig,
+    model: nn.Module,
+    ds_config: dict[str, Any],
+    groups=None,
+    total_steps: int | None = None,
+    mpu: Any = None,
 ):
     """deepspeed.initialize with a client optimizer (or the JSON's for offload) and a LambdaLR schedule.
-    The model must already be laid out (training/parallelize.py: experts, ZeRO-3 external params)."""
+    The model must already be laid out (training/parallelize.py: experts, ZeRO-3 external params); `mpu`: the
+    sequence-parallel groups (training/parallel/ulysses.py), None without sequence parallelism."""
     import deepspeed
 
     opt = build_optimizer(cfg, model, groups)
@@ -165,7 +173,7 @@ def initialize(
     def sched(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
         return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
 
-    kwargs: dict[str, Any] = dict(model=model, config=ds_config, lr_scheduler=sched)
+    kwargs: dict[str, Any] = dict(model=model, config=ds_config, lr_scheduler=sched, mpu=mpu)
     if opt is not None:
         kwargs["optimizer"] = opt
     else:

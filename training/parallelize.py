@@ -19,7 +19,12 @@ Layouts (world W ranks, expert parallelism P = `parallel.ep_size`, expert-data p
     placement and partitioning are DeepSpeed's: router, Quantile Balancing, SiTU-GLU experts, latent
     projections and the all-to-all stay K3's (AutoEP's own forward, router and experts are never used);
   * ZeRO-3 (any P): parameters read outside their module's forward become external params of the nearest module
-    whose hooks see them (`register_zero3_external_params`).
+    whose hooks see them (`register_zero3_external_params`);
+  * S = `parallel.sp_size` > 1 (Ulysses): groups of S consecutive ranks share their rows and split each sequence
+    (training/parallel/ulysses.py, DeepSpeed's sequence-parallel mpu and all-to-all); the mixers get the seam
+    `model.set_sequence_shard`. Every rank still routes only its own tokens, so EP and the balancer see S x as
+    many data-parallel ranks, each with T/S tokens. AutoEP + ZeRO-3 refuses SP, so ZeRO-3 + SP (P = 1) leaves
+    the experts as plain parameters partitioned over all ranks.
 `check_layout` refuses, before any process group exists, what DeepSpeed 0.19.8 cannot do with AutoEP + ZeRO-3.
 """
 
@@ -37,6 +42,7 @@ from training.distributed import DistStatsReducer
 from training.parallel.alltoall import AllToAllDispatcher
 from training.parallel.checkpoint import CLIENT_STATE_KEY, load_any_layout, prepare_resume
 from training.parallel.ds_moe import present_as_deepspeed_moe
+from training.parallel.ulysses import ulysses_shard
 
 EXPERT_WEIGHTS = ("w1", "w3", "w2")
 AUTOEP_FAMILY = "autoep_expert"
@@ -50,14 +56,20 @@ class LayoutError(ValueError):
 def check_layout(zero_stage: int, ep_size: int, ds_config: dict[str, Any]) -> None:
     """Raise LayoutError for combinations DeepSpeed 0.19.8 refuses with AutoEP + ZeRO-3 (engine.
     `_validate_zero3_moe_compatibility`, `_save_moe_checkpoint`): here they fail in a second, not after start-up."""
+    z = ds_config.get("zero_optimization", {}) or {}
+    sp = int(ds_config.get("sequence_parallel_size", 1) or 1)
+    if zero_stage == 3 and sp > 1 and z.get("reduce_scatter") is False:
+        raise LayoutError(
+            f"ZeRO-3 with parallel.sp_size={sp} needs zero_optimization.reduce_scatter=true (the gradient scaling "
+            "training/parallel/ulysses.py relies on); drop reduce_scatter from deepspeed.extra"
+        )
     if zero_stage != 3 or ep_size <= 1:
         return
-    z = ds_config.get("zero_optimization", {}) or {}
     what = f"ZeRO-3 with parallel.ep_size={ep_size}"
     if int(ds_config.get("sequence_parallel_size", 1) or 1) > 1:
         raise LayoutError(
-            f"{what} cannot use sequence parallelism (DeepSpeed AutoEP + ZeRO-3 refuses it); "
-            "drop sequence_parallel_size or use deepspeed=zero2 with expert parallelism"
+            f"{what} cannot use parallel.sp_size={ds_config['sequence_parallel_size']} (DeepSpeed AutoEP + ZeRO-3 "
+            "refuses sequence parallelism); use deepspeed=zero2 with EP, or parallel.ep_size=1 with ZeRO-3"
         )
     if int(z.get("zero_hpz_partition_size", 1) or 1) > 1:
         raise LayoutError(
@@ -103,6 +115,9 @@ class Parallelism:
     moe_names: list[str] = field(default_factory=list)
     universal: tuple[str, str] | None = None  # (load_dir, tag) of a converted universal checkpoint to resume
     init_bytes_read: int = 0  # tensor bytes this rank read from model.init_from (sharded start)
+    sp_size: int = 1
+    sp_rank: int = 0
+    mpu: Any = None  # DeepSpeed's sequence-parallel groups for deepspeed.initialize(mpu=), None without SP
 
     @property
     def autoep(self) -> bool:
@@ -382,11 +397,14 @@ def shard_experts(moe: nn.Module, num_local: int, offset: int) -> None:
     experts.num_local, experts.expert_offset = num_local, offset
 
 
-def parallelize(model: nn.Module, ep_size: int, zero_stage: int, expert_files: bool = False) -> Parallelism:
-    """Lay K3 out for `ep_size` and `zero_stage` (see the module docstring). Call on every rank after the process
-    group exists and before deepspeed.initialize. ZeRO-3 presents experts as AutoEP layers at every P (so its
-    checkpoints reshard through the universal format); `expert_files`: ZeRO 0-2 present them as DeepSpeed MoE
-    even at P=1 (resuming a per-expert-file checkpoint). ZeRO-3 external params are registered here too."""
+def parallelize(
+    model: nn.Module, ep_size: int, zero_stage: int, expert_files: bool = False, sp_size: int = 1
+) -> Parallelism:
+    """Lay K3 out for `ep_size`, `zero_stage` and `sp_size` (see the module docstring). Call on every rank after
+    the process group exists and before deepspeed.initialize. ZeRO-3 presents experts as AutoEP layers at every P
+    without SP (so its checkpoints reshard through the universal format); `expert_files`: ZeRO 0-2 present them as
+    DeepSpeed MoE even at P=1 (resuming a per-expert-file checkpoint). ZeRO-3 external params are registered here
+    too."""
     layers = _moe_layers(model)
     if not layers and ep_size > 1:
         raise ValueError("parallel.ep_size>1 needs MoE layers; this model has none, use parallel.ep_size=1")
@@ -399,7 +417,7 @@ def parallelize(model: nn.Module, ep_size: int, zero_stage: int, expert_files: b
         )
     names = [n for n, _ in layers]
     handle = Parallelism(1, 0, num_experts, zero_stage, None, moe_names=names)
-    if layers and (ep_size > 1 or zero_stage == 3 or expert_files):
+    if layers and (ep_size > 1 or (zero_stage == 3 and sp_size == 1) or expert_files):
         if not dist.is_initialized():
             raise RuntimeError("parallelize needs an initialised process group; call deepspeed.init_distributed()")
         name, ep_group, edp_group, ep_rank = expert_groups(ep_size)
@@ -414,6 +432,10 @@ def parallelize(model: nn.Module, ep_size: int, zero_stage: int, expert_files: b
             if ep_size > 1:
                 moe.dispatcher = AllToAllDispatcher(num_experts, ep_group)
         handle = Parallelism(ep_size, ep_rank, num_experts, zero_stage, name, ep_group, edp_group, names)
+    if sp_size > 1:
+        shard, handle.mpu = ulysses_shard(sp_size)
+        handle.sp_size, handle.sp_rank = shard.size, shard.rank
+        model.set_sequence_shard(shard)
     if zero_stage == 3:
         register_zero3_external_params(model)
     return handle

@@ -2,7 +2,9 @@
 
 Loss normalisation: each micro-batch's mean CE is rescaled by (its target count x DP x GA / global target count)
 so that after DeepSpeed's 1/GA scaling and DP averaging the gradient is that of the global-batch token mean, the
-same for any split of the global batch into ranks and micro-batches (DP=2,GA=1 == DP=1,GA=2).
+same for any split of the global batch into ranks and micro-batches (DP=2,GA=1 == DP=1,GA=2). DP counts ranks with
+different rows (world / sp_size): DeepSpeed sums a sequence-parallel group's partial gradients before dividing by
+it (training/parallel/ulysses.py).
 """
 
 from __future__ import annotations
@@ -17,22 +19,42 @@ from model.k3 import IGNORE_INDEX, shift_targets
 
 @dataclass
 class MicroBatch:
-    """One micro-batch as one packed row: ids/labels [1, N], document boundaries, targets the CE counts."""
+    """One micro-batch as one packed row: ids/labels [1, N], document boundaries, targets the CE counts.
+    Under sequence parallelism ids and targets are this rank's slice [1, N/S], labels None, cu_seqlens whole."""
 
     ids_1N: torch.Tensor
-    labels_1N: torch.Tensor
+    labels_1N: torch.Tensor | None
     cu_seqlens: torch.Tensor
     n_targets: int
+    targets_1N: torch.Tensor | None = None  # shifted already (sequence parallelism); else the model shifts labels
+
+    def model_inputs(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """Keyword arguments of K3ForCausalLM.forward."""
+        out = {"input_ids": self.ids_1N.to(device), "cu_seqlens": self.cu_seqlens.to(device)}
+        if self.targets_1N is not None:
+            out["targets"] = self.targets_1N.to(device)
+        else:
+            assert self.labels_1N is not None
+            out["labels"] = self.labels_1N.to(device)
+        return out
 
 
-def pack_microbatch(mb: dict[str, Any]) -> MicroBatch:
+def pack_microbatch(mb: dict[str, Any], sp_size: int = 1, sp_rank: int = 0) -> MicroBatch:
     """[b, T] rows -> one packed [1, b*T] stream with cu_seqlens. The model masks cross-document targets itself
-    (`shift_targets`); the same function counts them here, before the forward, for the loss weights."""
+    (`shift_targets`); the same function counts them here, before the forward, for the loss weights.
+
+    `sp_size` > 1: the rows are the sequence-parallel group's, and this rank keeps tokens [r*N/S, (r+1)*N/S) with
+    their targets, shifted on the whole stream (the last token of a slice predicts the next slice's first)."""
     ids_1N = mb["input_ids"].reshape(1, -1).long()
     labels_1N = mb["labels"].reshape(1, -1).long()
     cu = torch.as_tensor(mb["cu_seqlens"], dtype=torch.int64)
-    n = int((shift_targets(labels_1N, cu) != IGNORE_INDEX).sum())
-    return MicroBatch(ids_1N, labels_1N, cu, n)
+    targets_1N = shift_targets(labels_1N, cu)
+    if sp_size == 1:
+        return MicroBatch(ids_1N, labels_1N, cu, int((targets_1N != IGNORE_INDEX).sum()))
+    n = ids_1N.shape[1] // sp_size
+    mine = slice(sp_rank * n, (sp_rank + 1) * n)
+    local_1n = targets_1N[:, mine]
+    return MicroBatch(ids_1N[:, mine], None, cu, int((local_1n != IGNORE_INDEX).sum()), local_1n)
 
 
 @dataclass

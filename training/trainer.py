@@ -25,13 +25,20 @@ from model import K3Config
 from training import balance, checkpoint
 from training.callbacks import CallbackList, default_callbacks, load_callback
 from training.checkpoint import safe_load
-from training.config import TrainConfigError, checkpoint_tokenizer, global_batch_rows, resolve_run_dir
+from training.config import (
+    TrainConfigError,
+    checkpoint_tokenizer,
+    data_parallel_size,
+    global_batch_rows,
+    resolve_run_dir,
+)
 from training.distributed import all_reduce_sum, barrier, init_distributed
 from training.engine import build_ds_config, initialize, param_groups
 from training.guard import StepGuard, TooManyBadSteps
 from training.guard import install as install_guard
 from training.metrics import RunLogger, flops_per_token, peak_flops
 from training.parallel.construct import build_model
+from training.parallel.ulysses import gradient_averaging_ranks
 from training.step import StepResult, pack_microbatch
 
 
@@ -76,6 +83,7 @@ class Trainer:
         self.ckpt_root = os.path.join(self.run_dir, "checkpoints")
         t = cfg.train
         self.ga, self.world = int(t.grad_accum), self.info.world_size
+        self.dp = data_parallel_size(cfg, self.world)  # ranks with different rows (sequence parallelism shares)
         self.global_rows = global_batch_rows(cfg, self.world)
         self.callbacks = CallbackList([*default_callbacks(), *(load_callback(p) for p in cfg.callbacks)])
         seed_everything(int(t.seed))
@@ -95,14 +103,16 @@ class Trainer:
             self.ds_config,
             cfg.model.init_from,
             expert_files=bool(resume_from and checkpoint.has_expert_files(resume_from)),
+            sp_size=int(cfg.parallel.sp_size),
         )
         self.model.set_gradient_checkpointing(bool(t.activation_checkpointing))
         groups = self.ep.param_groups(self.model, param_groups(self.model, float(cfg.schedule.weight_decay)))
         self.reducer = self.ep.stats_reducer()
+        self.grad_ranks = gradient_averaging_ranks(self.world, self.ep.sp_size, int(cfg.deepspeed.zero_stage))
         if resume_from:  # another layout's ZeRO-3 checkpoint: DeepSpeed's universal format (training/parallel)
             self.ds_config = self.ep.prepare_resume(self.ds_config, resume_from, self.run_dir)
         self.engine, self.optimizer, self.scheduler = initialize(
-            cfg, self.model, self.ds_config, groups, total_steps=self.plan.horizon
+            cfg, self.model, self.ds_config, groups, total_steps=self.plan.horizon, mpu=self.ep.mpu
         )
         safe_load.install(self.engine)  # checkpoints are untrusted: never unpickle code
         install_guard(self.engine)  # ZeRO-0: skip non-finite steps like the ZeRO optimizers do
@@ -118,8 +128,8 @@ class Trainer:
             int(t.seq_len),
             self.global_rows,
             int(t.micro_batch_size),
-            self.info.rank,
-            self.world,
+            self.info.rank // self.ep.sp_size,  # a sequence-parallel group reads its rows once per rank
+            self.dp,
             int(t.seed),
             loss_on=str(t.loss_on),
         )
@@ -206,20 +216,19 @@ class Trainer:
 
     # --- one optimizer step -------------------------------------------------------------------------------------
     def train_step(self) -> StepResult:
-        mbs = [pack_microbatch(self.loader.next_microbatch()) for _ in range(self.ga)]
+        sp = (self.ep.sp_size, self.ep.sp_rank)
+        mbs = [pack_microbatch(self.loader.next_microbatch(), *sp) for _ in range(self.ga)]
         local = torch.tensor(
             [sum(m.n_targets for m in mbs), sum(int(m.ids_1N.numel()) for m in mbs)], dtype=torch.float64
         )
         n_global, tok_global = (int(x) for x in all_reduce_sum(local))
-        scale_base = self.world * self.ga / max(1, n_global)
+        scale_base = self.grad_ranks * self.ga / max(1, n_global)
         loss_sum = torch.zeros((), dtype=torch.float64)
         aux_sum = torch.zeros((), dtype=torch.float64)
         routing = balance.StepRouting()
         lr = float(self.scheduler.get_last_lr()[0]) if self.scheduler is not None else float(self.cfg.optim.lr)
         for mb in mbs:
-            out = self.engine(
-                mb.ids_1N.to(self.device), labels=mb.labels_1N.to(self.device), cu_seqlens=mb.cu_seqlens.to(self.device)
-            )
+            out = self.engine(**mb.model_inputs(self.device))
             n = mb.n_targets
             self.engine.backward(out.loss * (n * scale_base) if n > 0 else out.loss * 0.0)
             self.engine.step()

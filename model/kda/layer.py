@@ -17,6 +17,7 @@ from torch import nn
 from model.config import K3Config
 from model.kda.ops import chunk_kda, recurrent_kda
 from model.norm import RMSNorm, upcast
+from model.sequence import SequenceShard, head_slice
 
 L2_EPS = 1e-6  # q, k <- x / sqrt(||x||^2 + 1e-6) per head (fla's l2norm)
 
@@ -114,6 +115,7 @@ class KDA(nn.Module):
             self.g_b_proj = nn.Linear(K, P, bias=True)
         self.o_norm = RMSNorm(K, eps=config.rms_norm_eps)
         self.o_proj = nn.Linear(P, d, bias=False)
+        self.sequence_shard: SequenceShard | None = None  # set by sequence parallelism (model/sequence.py)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -159,22 +161,34 @@ class KDA(nn.Module):
     def forward(
         self, x_BTD: torch.Tensor, cu_seqlens: torch.Tensor | None = None, cache: KDACache | None = None
     ) -> torch.Tensor:
+        """With `sequence_shard` set, x holds this rank's T/N tokens and cu_seqlens the whole sequence's documents:
+        projections and gates run on the local tokens, the short conv and the recurrence on all T tokens of this
+        rank's head group (model/sequence.py), the output norm, gate and projection on the local tokens again."""
         if x_BTD.dim() != 3 or x_BTD.shape[-1] != self.config.hidden_size:
             raise ValueError(f"KDA expects x [B, T, {self.config.hidden_size}], got {tuple(x_BTD.shape)}")
         if cu_seqlens is not None and cache is not None:
             raise ValueError("KDA: pass either cu_seqlens (packed training) or cache (decoding), not both")
         if cu_seqlens is not None and x_BTD.shape[0] != 1:
             raise ValueError(f"cu_seqlens needs batch size 1 (packed documents), got B={x_BTD.shape[0]}")
-        B, T, _ = x_BTD.shape
+        shard = self.sequence_shard
+        if shard is not None and cache is not None:
+            raise ValueError("KDA: a decode cache cannot be combined with sequence parallelism")
+        B, t, _ = x_BTD.shape
+        T = t * shard.size if shard is not None else t  # the whole sequence the mixer core sees
         H, K = self.num_heads, self.head_dim
         if cu_seqlens is not None and (cu_seqlens.dim() != 1 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != T):
             raise ValueError(f"cu_seqlens must be 1-D cumulative lengths from 0 to T={T}, got {cu_seqlens.tolist()}")
         seg_T = segment_starts(cu_seqlens, T) if cu_seqlens is not None else None
+        heads = head_slice(shard, H) if shard is not None else slice(0, H)
+        h = heads.stop - heads.start
+
+        def whole_sequence(x_BtHX: torch.Tensor) -> torch.Tensor:  # [B, t, H, X] -> [B, T, h, X]
+            return shard.to_head_shard(x_BtHX) if shard is not None else x_BtHX
 
         convs = {}
         for name in ("q", "k", "v"):
-            u_BTP = getattr(self, f"{name}_proj")(x_BTD)
-            weight_PW = getattr(self, f"{name}_conv1d").weight[:, 0]
+            u_BTP = whole_sequence(getattr(self, f"{name}_proj")(x_BTD).view(B, t, H, K)).reshape(B, T, h * K)
+            weight_PW = getattr(self, f"{name}_conv1d").weight[heads.start * K : heads.stop * K, 0]
             prefix = cache.conv_state.get(name) if cache is not None else None
             convs[name] = F.silu(causal_depthwise_conv(u_BTP, weight_PW, prefix, seg_T))
             if cache is not None:
@@ -183,11 +197,11 @@ class KDA(nn.Module):
                     dim=1,
                 )
                 cache.conv_state[name] = hist[:, hist.shape[1] - (self.conv_size - 1) :].detach()
-        q_BTHK = l2_normalize(convs["q"].view(B, T, H, K))
-        k_BTHK = l2_normalize(convs["k"].view(B, T, H, K))
-        v_BTHV = convs["v"].view(B, T, H, K)
-        beta_BTH = torch.sigmoid(upcast(self.b_proj(x_BTD)))
-        g_BTHK = self.decay(x_BTD)
+        q_BTHK = l2_normalize(convs["q"].view(B, T, h, K))
+        k_BTHK = l2_normalize(convs["k"].view(B, T, h, K))
+        v_BTHV = convs["v"].view(B, T, h, K)
+        beta_BTH = whole_sequence(torch.sigmoid(upcast(self.b_proj(x_BTD))).unsqueeze(-1)).squeeze(-1)
+        g_BTHK = whole_sequence(self.decay(x_BTD))
 
         initial_state = cache.recurrent_state if cache is not None else None
         if T == 1 and cache is not None:  # a decode step
@@ -218,6 +232,8 @@ class KDA(nn.Module):
             cache.recurrent_state = state.detach()
             cache.seen_tokens += T
 
+        if shard is not None:
+            o_BTHV = shard.to_token_shard(o_BTHV)  # [B, T, h, V] -> [B, t, H, V]
         o_BTHV = self.o_norm(o_BTHV)  # per-head RMSNorm, weight [K] shared by heads (fp32 here)
-        y_BTP = (self.output_gate(x_BTD) * o_BTHV.reshape(B, T, H * K)).to(x_BTD.dtype)
+        y_BTP = (self.output_gate(x_BTD) * o_BTHV.reshape(B, t, H * K)).to(x_BTD.dtype)
         return self.o_proj(y_BTP)

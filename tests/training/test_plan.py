@@ -199,3 +199,32 @@ def test_bad_override_is_a_one_line_error(capsys):
     assert main(["model=tiny", "plan.gpu_memmory_gb=80"]) == 2
     err = capsys.readouterr().err.strip()
     assert "unknown planner key plan.gpu_memmory_gb" in err and len(err.splitlines()) == 1
+
+
+def test_sequence_parallelism_divides_token_activations_and_adds_only_the_gathered_mla_latents():
+    cfg, hw = _tiny(), Hardware(nodes=1, gpus_per_node=4)
+    a1, a4 = (
+        plan(cfg, Layout(zero_stage=0, sp_size=s, seq_len=4096, precision="fp32"), hw)["activations_gb"] for s in (1, 4)
+    )
+    n_mla = sum(t != "kda" for t in cfg.layer_types)
+    gathered = 4096 / 4 * n_mla * 3 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4 / 1e9
+    assert a4["sequence_parallel"] == pytest.approx(gathered)
+    assert a4["total"] - a4["sequence_parallel"] == pytest.approx(a1["total"] / 4)
+
+
+def test_sequence_parallel_all_to_all_bytes_per_layer_are_reported_and_vanish_at_sp1():
+    cfg, hw = _tiny(), Hardware(nodes=1, gpus_per_node=2)
+    c1, c2 = (plan(cfg, Layout(sp_size=s, seq_len=2048), hw)["comm_per_step_per_gpu_gb"] for s in (1, 2))
+    assert c1["sp_all_to_all"] == 0.0 and c2["sp_all_to_all"] > 0.0
+    assert c2["sp_all_to_all_per_layer"] == pytest.approx(c2["sp_all_to_all"] / cfg.num_hidden_layers)
+
+
+def test_sequence_parallel_ranks_share_a_sequence_so_tokens_per_step_count_data_parallel_ranks():
+    cfg, hw = _tiny(), Hardware(nodes=1, gpus_per_node=4)
+    t1, t2 = (plan(cfg, Layout(sp_size=s, seq_len=1024), hw)["time"]["tokens_per_step"] for s in (1, 2))
+    assert t2 == t1 / 2
+
+
+def test_planner_refuses_an_sp_size_that_does_not_divide_the_sequence():
+    with pytest.raises(ValueError, match="parallel.sp_size=3"):
+        plan(_tiny(), Layout(sp_size=3, seq_len=1024), Hardware(nodes=1, gpus_per_node=3))

@@ -147,13 +147,14 @@ def build_model(
     ds_config: dict[str, Any],
     init_from: str | None = None,
     expert_files: bool = False,
+    sp_size: int = 1,
 ):
     """The laid-out, materialised model of this rank and its Parallelism (training/parallelize.py), built sharded
     (module docstring): fresh from `seed`, or from the HF checkpoint directory `init_from`."""
     from training.parallelize import parallelize
 
     model = build_meta(config)
-    par = parallelize(model, ep_size, zero_stage, expert_files=expert_files)
+    par = parallelize(model, ep_size, zero_stage, expert_files=expert_files, sp_size=sp_size)
     reader = HFReader(init_from) if init_from else None
     try:
         materialise(model, seed, ds_config if zero_stage == 3 else None, reader)

@@ -127,15 +127,24 @@ def activation_elements(c: K3Config, seq_len: int, attention: str = "flash") -> 
     return {k: (v[0], v[1]) for k, v in comp.items()}
 
 
-def loss_backward_bytes(c: K3Config, micro_batch: int, seq_len: int, act_bytes: int = 2) -> float:
+def loss_backward_bytes(c: K3Config, micro_batch: int, seq_len: int, act_bytes: int = 2, sp_size: int = 1) -> float:
     """Transient bytes of the loss backward, the first thing backward runs, while every activation is still live:
     the logits gradient (activation dtype, [tokens, V]) plus one fp32 chunk of recomputed softmax (model/k3.py's
     chunked cross-entropy: at most `_ce_chunk_rows(V)` rows at a time)."""
     from model.k3 import _ce_chunk_rows
 
-    tokens = micro_batch * seq_len
+    tokens = micro_batch * seq_len // sp_size
     V = c.vocab_size
     return tokens * V * act_bytes + min(tokens, _ce_chunk_rows(V)) * V * 4.0
+
+
+def sequence_parallel_extra(c: K3Config, sp_size: int) -> tuple[float, float]:
+    """(A, F) more per local token under Ulysses SP (model/sequence.py): each MLA layer keeps the head-shared
+    latent [c_hat ; k_r] gathered from all sp_size shards (what its per-head keys/values are computed from) where one
+    rank keeps only its own. Everything else moves between layouts of the same size: per-token elements are the
+    SP=1 ones at the whole sequence's length (a rank holds T/N tokens x H heads or T tokens x H/N heads)."""
+    n_mla = sum(t != "kda" for t in c.layer_types)
+    return n_mla * (sp_size - 1) * (c.kv_lora_rank + c.qk_rope_head_dim), 0.0
 
 
 def activation_bytes(
@@ -145,15 +154,19 @@ def activation_bytes(
     act_bytes: int = 2,
     checkpointing: bool = False,
     attention: str = "flash",
+    sp_size: int = 1,
 ) -> dict[str, float]:
-    """Bytes kept for backward by one micro-batch [micro_batch, seq_len], by component, plus `total`.
+    """Bytes kept for backward by one micro-batch [micro_batch, seq_len], by component, plus `total`; with
+    `sp_size` > 1 one sequence-parallel rank's share (its micro_batch * seq_len / sp_size tokens).
 
     With per-decoder-layer checkpointing only each layer's inputs stay (the new partial sum, d per token per layer;
     completed AttnRes blocks are shared) plus embedding and head/loss, and backward recomputes one layer at a time:
     + the largest single layer's activations.
     """
-    tokens = micro_batch * seq_len
+    tokens = micro_batch * seq_len / sp_size
     el = activation_elements(c, seq_len, attention)
+    if sp_size > 1:
+        el["sequence_parallel"] = sequence_parallel_extra(c, sp_size)
     b = {k: tokens * (a * act_bytes + f * 4) for k, (a, f) in el.items()}
     if checkpointing:
         L = c.num_hidden_layers

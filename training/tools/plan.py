@@ -24,6 +24,7 @@ from training.metrics.system import GPU_PEAK_BF16
 from training.tools.activation_memory import activation_bytes, loss_backward_bytes
 
 GB = 1e9
+ZERO0_ALLREDUCE_ELEMENTS = 500_000_000  # deepspeed.runtime.engine.MEMORY_OPT_ALLREDUCE_SIZE (0.19.8)
 
 
 @dataclass
@@ -52,6 +53,7 @@ class Layout:
     offload_optimizer: bool = False
     offload_param: bool = False
     ep_size: int = 1
+    sp_size: int = 1  # Ulysses sequence parallelism: ranks sharing (and splitting) each sequence
     micro_batch_size: int = 1
     seq_len: int = 4096
     grad_accum: int = 1
@@ -88,6 +90,26 @@ def peak_bytes(gpu: dict[str, float], grads_persist: bool) -> float:
     return static + max(start, gpu["grads"])
 
 
+def sp_all_to_all_bytes(config, tokens_local: float, sp: int, act_b: int, passes: int) -> float:
+    """Bytes one rank sends per step in Ulysses' head all-to-alls (model/sequence.py), (sp-1)/sp of each exchange
+    leaving the rank. Per local token and layer, forward: KDA q, k, v before the conv (activation dtype), its fp32
+    decay g and beta, the fp32 core output; MLA the query heads, its output heads and the latent [c_hat ; k_r]
+    sent whole to each of the sp-1 others. Backward sends the same bytes back; `passes` = 2 (+1 checkpointing)."""
+    if sp <= 1:
+        return 0.0
+    P, H = config.kda_num_heads * config.kda_head_dim, config.kda_num_heads
+    kda = 3 * P * act_b + (P + H) * 4 + P * 4
+    Hm = config.num_attention_heads
+    q = Hm * (config.qk_nope_head_dim + config.qk_rope_head_dim) * act_b
+    mla_heads = q + Hm * config.v_head_dim * act_b
+    latent = (config.kv_lora_rank + config.qk_rope_head_dim) * act_b
+    n_kda = sum(t == "kda" for t in config.layer_types)
+    n_mla = config.num_hidden_layers - n_kda
+    frac = (sp - 1) / sp
+    per_token = n_kda * kda * frac + n_mla * (mla_heads * frac + latent * (sp - 1))
+    return tokens_local * per_token * passes
+
+
 def _largest_unit(config, bd: dict[str, int], ep: int) -> int:
     """Largest set of parameters ZeRO-3 gathers at once (a decoder layer's local share, embedding or head)."""
     V, d = config.vocab_size, config.hidden_size
@@ -105,9 +127,11 @@ def plan(
 
         breakdown = param_breakdown(config)
     bd = breakdown
-    W, ep, z = hw.world, layout.ep_size, layout.zero_stage
+    W, ep, z, sp = hw.world, layout.ep_size, layout.zero_stage, layout.sp_size
     if W % ep or config.num_experts % ep:
         raise ValueError(f"parallel.ep_size={ep} must divide the world size {W} and num_experts={config.num_experts}")
+    if W % sp or layout.seq_len % sp:
+        raise ValueError(f"parallel.sp_size={sp} must divide the world size {W} and seq_len={layout.seq_len}")
     n_expert = bd["moe_routed_experts"]
     n_dense = bd["total"] - n_expert
     dp_dense, dp_expert = W, W // ep  # data-parallel group of dense params; of each expert shard
@@ -135,18 +159,20 @@ def plan(
     # ZeRO-3 reduces through one bucket unless overlap_comm double-buffers it (measured: bench/memory_dist.py)
     n_buckets = 1.0 if z == 3 and not layout.overlap_comm else 2.0
     gpu["comm_buckets"] = n_buckets * layout.reduce_bucket_size * per["grads"]
+    if z == 0:  # no ZeRO buckets: engine.allreduce_gradients flattens at most MEMORY_OPT_ALLREDUCE_SIZE grads at once
+        gpu["comm_buckets"] = min(g_local, ZERO0_ALLREDUCE_ELEMENTS) * per["grads"] if W > 1 else 0.0
     act_b = 2 if layout.precision == "bf16" else 4
     acts = activation_bytes(
-        config, layout.micro_batch_size, layout.seq_len, act_b, layout.activation_checkpointing, hw.attention
+        config, layout.micro_batch_size, layout.seq_len, act_b, layout.activation_checkpointing, hw.attention, sp
     )
     gpu["activations"] = acts["total"]
-    gpu["loss_backward"] = loss_backward_bytes(config, layout.micro_batch_size, layout.seq_len, act_b)
+    gpu["loss_backward"] = loss_backward_bytes(config, layout.micro_batch_size, layout.seq_len, act_b, sp)
     gpu["reserve"] = hw.reserve_gb * GB
     gpu_total = peak_bytes(gpu, grads_persist=grads_persist(layout))
 
     # compute
     fpt = flops_per_token(config, layout.seq_len, training=True)
-    tokens_gpu = layout.micro_batch_size * layout.seq_len * layout.grad_accum
+    tokens_gpu = layout.micro_batch_size * layout.seq_len * layout.grad_accum // sp  # this rank's share
     compute_s = tokens_gpu * fpt / (hw.peak_tflops * 1e12 * hw.mfu)
 
     # MoE all-to-all: every (token, expert) pair carries l values in the activation dtype, out and back, in forward
@@ -159,6 +185,10 @@ def plan(
     a2a_intra = a2a * ((in_node - 1) / (ep - 1) if ep > 1 else 0.0)
     a2a_inter = a2a - a2a_intra
     a2a_s = max(a2a_inter * 8 / (hw.net_gbps * 1e9), a2a_intra * 8 / (hw.nvlink_gbps * 1e9))
+    # Ulysses: a sequence-parallel group is sp consecutive ranks, inside a node when sp <= gpus_per_node
+    sp_a2a = sp_all_to_all_bytes(config, tokens_gpu, sp, act_b, 2 + (1 if layout.activation_checkpointing else 0))
+    sp_bw = hw.nvlink_gbps if sp <= hw.gpus_per_node else hw.net_gbps
+    sp_s = sp_a2a * 8 / (sp_bw * 1e9)
 
     # data-parallel gradient traffic: ring reduce-scatter + all-gather = 2 (g-1)/g of the bytes (ZeRO-3: 3)
     factor = 3.0 if z == 3 else 2.0
@@ -167,7 +197,7 @@ def plan(
     dense_bw = hw.net_gbps if hw.nodes > 1 else hw.nvlink_gbps
     exp_bw = hw.net_gbps if (ep >= hw.gpus_per_node and dp_expert > 1 and hw.nodes > 1) else hw.nvlink_gbps
     dp_s = dp_dense_b * 8 / (dense_bw * 1e9) + dp_exp_b * 8 / (exp_bw * 1e9)
-    step_s = compute_s + (1 - hw.a2a_overlap) * a2a_s + (1 - hw.dp_overlap) * dp_s
+    step_s = compute_s + (1 - hw.a2a_overlap) * a2a_s + sp_s + (1 - hw.dp_overlap) * dp_s
     tokens_step = tokens_gpu * W
 
     return {
@@ -199,11 +229,14 @@ def plan(
             "moe_all_to_all": a2a / GB,
             "moe_all_to_all_inter_node": a2a_inter / GB,
             "dp_gradients": (dp_dense_b + dp_exp_b) / GB,
+            "sp_all_to_all": sp_a2a / GB,
+            "sp_all_to_all_per_layer": sp_a2a / max(1, config.num_hidden_layers) / GB,
         },
         "warnings": list(warnings),
         "time": {
             "compute_s": compute_s,
             "all_to_all_s": a2a_s,
+            "sp_all_to_all_s": sp_s,
             "dp_comm_s": dp_s,
             "step_s": step_s,
             "tokens_per_step": tokens_step,
@@ -235,12 +268,12 @@ def format_table(p: dict[str, Any]) -> str:
         (
             "layout",
             f"{hw['nodes']} nodes x {hw['gpus_per_node']} GPUs = {hw['world']}, ZeRO-{lay['zero_stage']}"
-            f"{offload}, EP {lay['ep_size']}, {lay['precision']}",
+            f"{offload}, EP {lay['ep_size']}, SP {lay['sp_size']}, {lay['precision']}",
         ),
         (
             "batch",
             f"micro {lay['micro_batch_size']} x seq {lay['seq_len']} x GA {lay['grad_accum']} x DP "
-            f"{hw['world']} = {t['tokens_per_step']:,} tokens/step; activation ckpt "
+            f"{hw['world'] // lay['sp_size']} = {t['tokens_per_step']:,} tokens/step; activation ckpt "
             f"{lay['activation_checkpointing']}",
         ),
         ("params / GPU", f"dense {_fmt_n(ppg['dense'])} + expert {_fmt_n(ppg['expert'])}"),
@@ -277,10 +310,21 @@ def format_table(p: dict[str, Any]) -> str:
             f"{c['moe_all_to_all']:.2f} GB/step ({c['moe_all_to_all_inter_node']:.2f} GB inter-node)",
         ),
         ("DP gradients / GPU", f"{c['dp_gradients']:.2f} GB/step"),
+        *(
+            [
+                (
+                    "SP all-to-all / GPU",
+                    f"{c['sp_all_to_all']:.2f} GB/step ({c['sp_all_to_all_per_layer']:.3f} per layer)",
+                )
+            ]
+            if lay["sp_size"] > 1
+            else []
+        ),
         (
             "step time",
             f"{t['step_s']:.2f} s = compute {t['compute_s']:.2f} + a2a {t['all_to_all_s']:.2f} "
-            f"x{1 - hw['a2a_overlap']:.1f} + DP {t['dp_comm_s']:.2f} x{1 - hw['dp_overlap']:.1f} "
+            f"x{1 - hw['a2a_overlap']:.1f} + SP a2a {t['sp_all_to_all_s']:.2f} + DP {t['dp_comm_s']:.2f} "
+            f"x{1 - hw['dp_overlap']:.1f} "
             f"(MFU {hw['mfu']:.0%} of {hw['peak_tflops']:.0f} TFLOP/s)",
         ),
         ("throughput", f"{t['tokens_per_s']:,.0f} tokens/s ({t['tokens_per_s_per_gpu']:,.0f} per GPU)"),
@@ -336,6 +380,7 @@ def from_overrides(argv: Sequence[str]) -> tuple[Any, Layout, Hardware, dict[str
         offload_optimizer=bool(cfg.deepspeed.offload_optimizer),
         offload_param=bool(cfg.deepspeed.offload_param),
         ep_size=int(cfg.parallel.ep_size),
+        sp_size=int(cfg.parallel.sp_size),
         micro_batch_size=int(cfg.train.micro_batch_size),
         seq_len=int(cfg.train.seq_len),
         grad_accum=int(cfg.train.grad_accum),
