@@ -3,10 +3,10 @@
 Jobs (tiny_ci: one KDA and one MLA layer, MoE; seq_len 1024 packed from the embedded corpus, global batch 2 rows as
 1 micro-batch x GA 2, 8 steps, checkpoints every 4), in two concurrent waves:
   ref       1 rank, SP=1, ZeRO-0: the reference
-  sp2_z1    2 ranks parallel=sp2 deepspeed=zero1 (both ranks share the rows, each holds 512 tokens)
-  sp2_ep2   2 ranks parallel=sp2 parallel.ep_size=2 deepspeed=zero2 (SP with EP and ZeRO-2)
+  sp2_ep2   2 ranks parallel=sp2 parallel.ep_size=2 deepspeed=zero2 (both ranks share the rows, each holds 512
+            tokens and routes them to the experts of both ranks)
+  sp2_kill  like sp2_ep2, SIGKILLed right after step 6, then resumed with checkpoint.resume=auto
   sp2_z3    2 ranks parallel=sp2 deepspeed=zero3 (EP=1: experts partitioned as plain parameters)
-  sp2_kill  like sp2_z1, SIGKILLed right after step 6, then resumed with checkpoint.resume=auto
 Plus the model seam alone (tests/distributed/sequence_shard_worker.py: float64, logits and every gradient) and the
 one-line refusals.
 """
@@ -32,7 +32,6 @@ BASE = [
     "train.grad_accum=2",
 ]
 REF = [*BASE, "deepspeed=zero0"]
-SP2_Z1 = [*BASE, "parallel=sp2", "deepspeed=zero1"]
 SP2_EP2 = [*BASE, "parallel=sp2", "parallel.ep_size=2", "deepspeed=zero2"]
 SP2_Z3 = [*BASE, "parallel=sp2", "deepspeed=zero3"]
 
@@ -46,15 +45,13 @@ def jobs(runs_root) -> dict[str, RunResult]:
     root = runs_root / "sp"
     with ThreadPoolExecutor(3) as pool:
         ref = pool.submit(run_training, root / "ref", REF, 1, None, False)
-        z1 = pool.submit(run_training, root / "sp2_z1", SP2_Z1, 2)
-        kill = pool.submit(run_training, root / "sp2_kill", SP2_Z1, 2, {"K3_FAULT_KILL_AT_STEP": str(KILL_AT)})
-        out = {"ref": must_succeed(ref.result()), "sp2_z1": must_succeed(z1.result()), "killed": kill.result()}
-    with ThreadPoolExecutor(3) as pool:
-        resumed = pool.submit(run_training, root / "sp2_kill", [*SP2_Z1, "checkpoint.resume=auto"], 2)
         ep2 = pool.submit(run_training, root / "sp2_ep2", SP2_EP2, 2)
+        kill = pool.submit(run_training, root / "sp2_kill", SP2_EP2, 2, {"K3_FAULT_KILL_AT_STEP": str(KILL_AT)})
+        out = {"ref": must_succeed(ref.result()), "sp2_ep2": must_succeed(ep2.result()), "killed": kill.result()}
+    with ThreadPoolExecutor(2) as pool:
+        resumed = pool.submit(run_training, root / "sp2_kill", [*SP2_EP2, "checkpoint.resume=auto"], 2)
         z3 = pool.submit(run_training, root / "sp2_z3", SP2_Z3, 2)
-        out["resumed"], out["sp2_ep2"] = must_succeed(resumed.result()), must_succeed(ep2.result())
-        out["sp2_z3"] = must_succeed(z3.result())
+        out["resumed"], out["sp2_z3"] = must_succeed(resumed.result()), must_succeed(z3.result())
     return out
 
 
@@ -82,19 +79,14 @@ def test_the_rows_pack_documents_across_the_shard_edge_with_odd_lengths():
         docs = list(zip(cu, cu[1:]))
         crosses = any(s < SEQ // 2 < e for s, e in docs)
         packed_across += len(docs) > 1 and crosses and any((e - s) % 2 for s, e in docs)
-    assert packed_across >= 4, packed_across
+    assert packed_across >= 3, packed_across
 
 
-def test_sp2_losses_match_one_rank_within_1e_5(jobs):
-    _close(jobs["sp2_z1"], jobs["ref"], "loss")
-
-
-def test_sp2_grad_norms_match_one_rank_within_1e_5(jobs):
-    _close(jobs["sp2_z1"], jobs["ref"], "grad_norm")
-
-
-def test_sp2_with_expert_parallelism_and_zero2_matches_one_rank(jobs):
+def test_sp2_with_ep2_and_zero2_losses_match_one_rank_within_1e_5(jobs):
     _close(jobs["sp2_ep2"], jobs["ref"], "loss")
+
+
+def test_sp2_with_ep2_and_zero2_grad_norms_match_one_rank_within_1e_5(jobs):
     _close(jobs["sp2_ep2"], jobs["ref"], "grad_norm")
 
 
@@ -105,7 +97,7 @@ def test_sp2_with_zero3_matches_one_rank(jobs):
 
 def test_sp2_counts_every_token_once_in_the_router_statistics(jobs):
     """tokens per expert summed over experts = tokens x top-k, as in the 1-rank run."""
-    for run in (jobs["sp2_z1"], jobs["sp2_ep2"]):
+    for run in (jobs["sp2_ep2"], jobs["sp2_z3"]):
         assert _metric(run, "tokens") == _metric(jobs["ref"], "tokens")
         got = [r for r in run.metrics if any(k.startswith("router/") for k in r)]
         want = [r for r in jobs["ref"].metrics if any(k.startswith("router/") for k in r)]
@@ -115,7 +107,7 @@ def test_sp2_counts_every_token_once_in_the_router_statistics(jobs):
 
 def test_sp2_kill_and_resume_give_the_uninterrupted_losses_bitwise(jobs):
     assert jobs["killed"].returncode != 0
-    assert _metric(jobs["resumed"], "loss") == _metric(jobs["sp2_z1"], "loss")
+    assert _metric(jobs["resumed"], "loss") == _metric(jobs["sp2_ep2"], "loss")
 
 
 def test_the_model_seam_matches_the_whole_sequence_in_float64(tmp_path):
