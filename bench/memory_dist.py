@@ -29,7 +29,7 @@ GB = 1e9
 LAYOUTS = {"zero3": ["deepspeed=zero3"], "zero3_offload": ["deepspeed=zero3", "deepspeed.offload_optimizer=true"]}
 
 
-def rank_child(preset: str, seq: int, layout: str, out: str) -> None:
+def rank_child(preset: str, seq: int, layout: str, out: str, overrides: list[str]) -> None:
     sys.path.insert(0, str(ROOT))
     import torch
 
@@ -52,6 +52,7 @@ def rank_child(preset: str, seq: int, layout: str, out: str) -> None:
             "train.micro_batch_size=1",
             "train.precision=fp32",
             "logging=disabled",
+            *overrides,
         ]
     )
     mcfg = build_model_config(cfg)
@@ -116,11 +117,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", nargs="+", default=["tiny:512", "small:256"])
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    ap.add_argument("--overrides", nargs="*", default=[], help="more Hydra overrides for every job")
     ap.add_argument("--rank-child", nargs=4, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.rank_child:
         preset, seq, layout, out = a.rank_child
-        rank_child(preset, int(seq), layout, out)
+        rank_child(preset, int(seq), layout, out, a.overrides)
         return
     import tempfile
 
@@ -154,6 +156,7 @@ def main() -> None:
                     seq,
                     layout,
                     out,
+                    *(["--overrides", *a.overrides] if a.overrides else []),
                 ]
                 p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
                 if p.returncode != 0:
