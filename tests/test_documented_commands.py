@@ -10,6 +10,7 @@ import re
 import shlex
 import subprocess
 import sys
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,7 @@ BENCH_TINY = {
     "bench.train": " --cases tiny:64 --reps 1",
     "bench.data": " --reps 1 --model-reps 1 --fresh-tokens 20000 --fresh-reps 1",
     "bench.memory": " --cases tiny:64",
+    "bench.gpu_check": " --reps 1 --steps 1",  # its CPU dry run: 1 timed rep of each part (a bf16 step takes seconds)
 }
 
 
@@ -136,9 +138,82 @@ def test_gpu_script_refuses_without_cuda():
     assert p.returncode == 2 and len(errors) == 1, p.stderr[-2000:]
 
 
+# Commands run two at a time (the CI machine's 2 cores; most are 1-process jobs with OMP_NUM_THREADS=1).
+WORKERS = 2
+
+
+def shared(line: str, tmp: Path) -> set[str]:
+    """What a tiny command shares with other commands: the paths under `tmp` it names (a run dir, an export, a
+    tokenizer; by their first part below tmp/runs/ or tmp/), a bench's results file (one per bench module),
+    deepspeed's default master port (a launch without --master_port: the README's `deepspeed` line and each job of
+    launch/sweep.sh) and the checkout's virtualenv (make)."""
+    keys = set(re.findall(rf"{re.escape(str(tmp))}/((?:runs/)?[^/\s\"']+)", line))
+    keys.update(re.findall(r"-m (bench\.\w+)", line))
+    if "launch/sweep.sh" in line or (re.search(r"(^|\s)deepspeed\s", line) and "--master_port" not in line):
+        keys.add("deepspeed's default master port")
+    if line.startswith("make "):
+        keys.add(".venv")
+    return keys
+
+
+def after(lines: list[str], tmp: Path) -> list[set[int]]:
+    """For each command, the earlier commands it must wait for: the last earlier one sharing each of its
+    `shared` keys (so commands sharing anything keep their document order: later ones use what earlier ones
+    wrote)."""
+    last: dict[str, int] = {}
+    deps = []
+    for i, line in enumerate(lines):
+        keys = shared(line, tmp)
+        deps.append({last[k] for k in keys if k in last})
+        last.update(dict.fromkeys(keys, i))
+    return deps
+
+
+def test_commands_sharing_a_path_keep_their_document_order():
+    tmp = Path("/t")
+    lines = [
+        tiny("make smoke", tmp),
+        tiny("python -m training.report runs/smoke", tmp),
+        tiny("python -m training.train experiment=sft_tiny_base", tmp),
+        tiny("python -m training.export runs/sft_tiny_base runs/sft_tiny_base-hf", tmp),
+        tiny("python -m training.train experiment=sft_tiny model.init_from=runs/sft_tiny_base-hf", tmp),
+        tiny("python -m bench.memory", tmp),
+        tiny("python -m bench.memory --sp tiny:4096", tmp),
+        tiny("deepspeed --no_local_rank --num_gpus 2 training/train.py experiment=smoke run_dir=runs/z3", tmp),
+        tiny("launch/sweep.sh", tmp),
+        tiny("python -m training.plan model=k3 plan.out=k3_plan.json", tmp),
+    ]
+    assert after(lines, tmp) == [set(), {0}, set(), {2}, {3}, set(), {5}, set(), {7}, set()]
+
+
+def run_concurrently(lines: list[str], tmp: Path) -> list[subprocess.CompletedProcess]:
+    """Every command, at most WORKERS at a time, each started once the commands it comes `after` have ended
+    (the first ready command in document order first); results in document order."""
+    deps, done, results = after(lines, tmp), set(), [None] * len(lines)
+
+    def run(line: str) -> subprocess.CompletedProcess:
+        cmd = ["bash", "-c", line]
+        return subprocess.run(cmd, cwd=REPO, env=_env(tmp), capture_output=True, text=True, timeout=900)
+
+    with ThreadPoolExecutor(WORKERS) as pool:
+        running: dict = {}
+        while len(done) < len(lines):
+            for i, line in enumerate(lines):
+                busy = i in done or i in running.values()
+                if len(running) < WORKERS and not busy and deps[i] <= done:
+                    running[pool.submit(run, line)] = i
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for f in finished:
+                i = running.pop(f)
+                results[i] = f.result()
+                done.add(i)
+    return results
+
+
 def test_documented_commands_run(tmp_path):
-    """Run in document order: later commands use what earlier ones wrote (a run dir, a tokenizer)."""
-    ran, failed, seen = [], [], set()
+    """Every documented command runs; commands that share a path (`shared`) run in document order, later ones
+    using what earlier ones wrote (a run dir, a tokenizer, an export), the others alongside them."""
+    ran, seen = [], set()
     for cmd in documented_commands():
         if cmd in EXEMPT:
             continue
@@ -147,13 +222,14 @@ def test_documented_commands_run(tmp_path):
         if same in seen:  # the same tiny command behind another spelling (env prefix, .venv/bin/, spacing)
             continue
         seen.add(same)
-        p = subprocess.run(
-            ["bash", "-c", line], cwd=REPO, env=_env(tmp_path), capture_output=True, text=True, timeout=900
-        )
-        ran.append(line)
-        if p.returncode != 0:
-            failed.append(f"{cmd}\n  ran: {line}\n  rc={p.returncode}\n  {p.stderr[-1500:]}")
+        ran.append((cmd, line))
+    results = run_concurrently([line for _, line in ran], tmp_path)
+    failed = [
+        f"{cmd}\n  ran: {line}\n  rc={p.returncode}\n  {p.stderr[-1500:]}"
+        for (cmd, line), p in zip(ran, results)
+        if p.returncode != 0
+    ]
     assert failed == [], "\n\n".join(failed)
     assert len(ran) >= 12
     assert not (REPO / "k3_plan.json").exists()  # nothing documented writes into the checkout
-    assert shlex.split(ran[0])[:2] == ["make", "smoke"]  # the README's first command runs first
+    assert shlex.split(ran[0][1])[:2] == ["make", "smoke"]  # the README's first command runs first
