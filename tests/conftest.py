@@ -1,4 +1,4 @@
-"""Shared test fixtures: deterministic torch, paths to the shared spec assets."""
+"""Shared test fixtures: deterministic torch, paths to the shared spec assets, the EP=2 job two directories share."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.distributed.conftest import EP2_JOB, must_succeed, run_training
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -33,3 +35,19 @@ def golden_tiny_dir() -> Path:
     if not path.is_dir():
         pytest.skip(f"shared golden vector not found at {path}")
     return path
+
+
+# The 2-rank EP=2 job (EP2_JOB, tests/distributed/conftest.py) shared by tests/distributed/test_expert_parallel_train.py
+# (its EP=2 reference: losses, biases, per-expert checkpoint files, resumes at EP=1) and tests/fault/test_kill.py (the
+# uninterrupted job its killed jobs must reproduce). Here, in the root conftest, so both directories get the same
+# session-scoped run (a fixture re-exported by each directory's conftest would run once per directory).
+@pytest.fixture(scope="session")
+def ep2_ref():
+    """The uninterrupted EP=2 job (EP2_JOB) in its own temp dir (not pytest's tmp_path: concurrent pytest sessions
+    prune each other's old base dirs)."""
+    import shutil
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="k3-ep2-ref-"))
+    yield must_succeed(run_training(root / "ep2", EP2_JOB, nproc=2))
+    shutil.rmtree(root, ignore_errors=True)

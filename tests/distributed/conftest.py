@@ -137,3 +137,18 @@ REF = [
 def ref_run(runs_root) -> RunResult:
     """The uninterrupted 2-rank reference job."""
     return must_succeed(run_training(runs_root / "ref_zero2", REF, nproc=2))
+
+
+# The EP=2 job: 2 ranks, ZeRO-2, parallel=ep2, global batch 4 rows, checkpoints every 2 steps (the last 2 kept). Its
+# uninterrupted run is the session fixture `ep2_ref` (tests/conftest.py).
+EP2_STEPS = 8
+EP2_JOB = [
+    *TINY,
+    "deepspeed=zero2",
+    "parallel=ep2",
+    f"train.steps={EP2_STEPS}",
+    "checkpoint.every=2",
+    "train.micro_batch_size=2",
+    "train.grad_accum=1",
+    "checkpoint.keep_last=2",
+]

@@ -1,10 +1,11 @@
 """Expert parallelism through the real `deepspeed` launcher and training/train.py (issue 6).
 
-Jobs (tiny_ci model, ZeRO-2, global batch 4 rows, 10 steps, checkpoints every 5), started in two concurrent waves:
-  ep2      2 ranks, parallel=ep2 (micro 2, GA 1)          ep1      1 rank, no EP (micro 2, GA 2): same global batch
+Jobs (tiny_ci model, ZeRO-2, global batch 4 rows, 8 steps, checkpoints every 2, the last 2 kept):
+  ep2      2 ranks, parallel=ep2 (micro 2, GA 1): the session's `ep2_ref` (tests/conftest.py; test_kill.py's
+           reference too)                                 ep1      1 rank, no EP (micro 2, GA 2): same global batch
   ep2_kill 2 ranks EP=2 killed after step 7, then resumed with checkpoint.resume=auto
-  ep1_from_ep2  1 rank EP=1 resumed from ep2's step-5 checkpoint (per-expert files, EP=2 layout)
-  ep2_from_ep1  2 ranks EP=2 resumed from ep1's step-5 checkpoint (plain stacked experts)
+  ep1_from_ep2  1 rank EP=1 resumed from ep2's step-6 checkpoint (per-expert files, EP=2 layout)
+  ep2_from_ep1  2 ranks EP=2 resumed from ep1's step-6 checkpoint (plain stacked experts)
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.conftest import TINY, RunResult, must_succeed, run_training
+from tests.distributed.conftest import EP2_JOB as EP2
+from tests.distributed.conftest import EP2_STEPS as STEPS
+from tests.distributed.conftest import RunResult, must_succeed, run_training
 
 pytestmark = pytest.mark.distributed
-STEPS, EVERY, KILL_AFTER = 10, 5, 7
-BASE = [*TINY, "deepspeed=zero2", f"train.steps={STEPS}", f"checkpoint.every={EVERY}", "train.micro_batch_size=2"]
-EP2 = [*BASE, "parallel=ep2", "train.grad_accum=1"]
-EP1 = [*BASE, "train.grad_accum=2"]
+KILL_AFTER = 7
+RESUME_AT = 6  # a checkpoint every 2 steps, the last 2 kept: 6 and 8
+EP1 = [o for o in EP2 if not o.startswith(("parallel=", "train.grad_accum="))] + ["train.grad_accum=2"]
 
 
 def _step_dir(run: RunResult, step: int) -> Path:
@@ -29,25 +31,24 @@ def _step_dir(run: RunResult, step: int) -> Path:
 
 
 @pytest.fixture(scope="module")
-def jobs(runs_root) -> dict[str, RunResult]:
+def jobs(runs_root, ep2_ref) -> dict[str, RunResult]:
     root = runs_root / "ep"
-    with ThreadPoolExecutor(3) as pool:
-        ep2 = pool.submit(run_training, root / "ep2", EP2, 2)
+    with ThreadPoolExecutor(2) as pool:
         ep1 = pool.submit(run_training, root / "ep1", EP1, 1, None, False)
         kill = pool.submit(run_training, root / "ep2_kill", EP2, 2, {"K3_FAULT_KILL_AT_STEP": str(KILL_AFTER)})
-        out = {"ep2": must_succeed(ep2.result()), "ep1": must_succeed(ep1.result()), "ep2_killed": kill.result()}
+        out = {"ep2": ep2_ref, "ep1": must_succeed(ep1.result()), "ep2_killed": kill.result()}
     with ThreadPoolExecutor(3) as pool:
         resumed = pool.submit(run_training, root / "ep2_kill", [*EP2, "checkpoint.resume=auto"], 2)
         to_ep1 = pool.submit(
             run_training,
             root / "ep1_from_ep2",
-            [*EP1, f"checkpoint.resume={_step_dir(out['ep2'], EVERY)}"],
+            [*EP1, f"checkpoint.resume={_step_dir(out['ep2'], RESUME_AT)}"],
             1,
             None,
             False,
         )
         to_ep2 = pool.submit(
-            run_training, root / "ep2_from_ep1", [*EP2, f"checkpoint.resume={_step_dir(out['ep1'], EVERY)}"], 2
+            run_training, root / "ep2_from_ep1", [*EP2, f"checkpoint.resume={_step_dir(out['ep1'], RESUME_AT)}"], 2
         )
         out.update(ep2_resumed=resumed.result(), ep1_from_ep2=to_ep1.result(), ep2_from_ep1=to_ep2.result())
     return out
@@ -74,7 +75,7 @@ def test_ep2_balancing_biases_match_ep1(jobs):
 
 
 def test_ep2_checkpoint_has_one_file_per_global_expert(jobs):
-    files = list(_step_dir(jobs["ep2"], EVERY).glob("layer_*_expert_*_mp_rank_00_model_states.pt"))
+    files = list(_step_dir(jobs["ep2"], RESUME_AT).glob("layer_*_expert_*_mp_rank_00_model_states.pt"))
     assert len(files) == 4  # tiny_ci: one MoE layer x 4 experts
 
 
@@ -94,26 +95,28 @@ def test_ep2_checkpoint_resumes_at_ep1_with_identical_model(jobs):
     # the first step after resuming is a forward of the saved weights on the same batch: same loss as the EP=2
     # job's (the optimizer moments restart across layouts, so later steps may differ)
     res = must_succeed(jobs["ep1_from_ep2"])
-    first = EVERY + 1
+    first = RESUME_AT + 1
     ref = jobs["ep2"].losses()[first]
     assert abs(res.losses()[first] - ref) <= 1e-6 * abs(ref), (res.losses()[first], ref)
 
 
 def test_ep1_checkpoint_resumes_at_ep2_with_identical_model(jobs):
     res = must_succeed(jobs["ep2_from_ep1"])
-    first = EVERY + 1
+    first = RESUME_AT + 1
     ref = jobs["ep1"].losses()[first]
     assert abs(res.losses()[first] - ref) <= 1e-6 * abs(ref), (res.losses()[first], ref)
 
 
 def test_hf_export_is_the_same_whatever_the_ep_size(jobs, tmp_path):
-    # EP=2 and EP=1 jobs trained the same model on the same batches: their step-5 exports hold the same tensors
+    # EP=2 and EP=1 jobs trained the same model on the same batches: their step-6 exports hold the same tensors
     # (names, shapes, all experts) and equal values up to the jobs' fp32 rounding differences
     from model import load_hf_checkpoint
     from training.tools.export import export_checkpoint
 
-    sd2 = load_hf_checkpoint(export_checkpoint(str(_step_dir(jobs["ep2"], EVERY)), str(tmp_path / "a"))).state_dict()
-    sd1 = load_hf_checkpoint(export_checkpoint(str(_step_dir(jobs["ep1"], EVERY)), str(tmp_path / "b"))).state_dict()
+    def exported(run: RunResult, out: str) -> dict[str, torch.Tensor]:
+        return load_hf_checkpoint(export_checkpoint(str(_step_dir(run, RESUME_AT)), str(tmp_path / out))).state_dict()
+
+    sd2, sd1 = exported(jobs["ep2"], "a"), exported(jobs["ep1"], "b")
     assert sorted(sd2) == sorted(sd1)
     for k in sd1:
         assert sd2[k].shape == sd1[k].shape, k

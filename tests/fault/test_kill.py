@@ -12,27 +12,18 @@ from __future__ import annotations
 
 import pytest
 
-from tests.fault.conftest import TINY, ckpt_dir, must_succeed, partial_tags, record, run_and_kill_launcher, run_training
+from tests.distributed.conftest import EP2_JOB as JOB
+from tests.distributed.conftest import EP2_STEPS as STEPS
+from tests.fault.conftest import ckpt_dir, partial_tags, record, run_and_kill_launcher, run_training
 from training.checkpoint import SAVE_PHASES as CKPT_PHASES
 
 pytestmark = pytest.mark.distributed
-STEPS = 8
-JOB = [
-    *TINY,
-    "deepspeed=zero2",
-    "parallel=ep2",
-    f"train.steps={STEPS}",
-    "checkpoint.every=2",
-    "train.micro_batch_size=2",
-    "train.grad_accum=1",
-    "checkpoint.keep_last=2",
-]
 
 
 @pytest.fixture(scope="module")
-def reference(runs_root):
-    """The uninterrupted job."""
-    return must_succeed(run_training(runs_root / "kill_ref", JOB, nproc=2))
+def reference(ep2_ref):
+    """The uninterrupted job: the session's EP=2 run (tests/conftest.py; test_expert_parallel_train.py's too)."""
+    return ep2_ref
 
 
 def _resume_and_check(run_dir, reference, fault: str, killed_rc: int):
