@@ -6,25 +6,40 @@ Real 1-rank jobs (python -m training.train) with the test hooks of tests/fault/i
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from tests.fault.conftest import TINY, bitwise_diff, ckpt_dir, load_states, run_training, tensors_of
 
 BASE = [*TINY, "train.steps=4", "checkpoint.every=1", "checkpoint.keep_last=10"]
-
-
-def _run(runs_root, name, env, extra=()):
-    return run_training(runs_root / name, [*BASE, *extra], launcher=False, env=env)
-
-
-@pytest.fixture(scope="module")
-def nan_run(runs_root):
-    return _run(runs_root, "nan_zero2", {"K3_FAULT_NAN_AT_STEP": "2"})
+# name -> (fault env, extra overrides) of each job
+JOBS = {
+    "nan_zero2": ({"K3_FAULT_NAN_AT_STEP": "2"}, []),
+    "infgrad_zero0": ({"K3_FAULT_INF_GRAD_AT_STEP": "3"}, ["deepspeed=zero0"]),
+    "nan_stop": ({"K3_FAULT_NAN_AT_STEP": "2,3,4"}, ["train.max_bad_steps=2"]),
+}
 
 
 @pytest.fixture(scope="module")
-def inf_grad_zero0_run(runs_root):
-    return _run(runs_root, "infgrad_zero0", {"K3_FAULT_INF_GRAD_AT_STEP": "3"}, ["deepspeed=zero0"])
+def jobs(runs_root) -> dict:
+    """The three jobs at once (independent; concurrent 1-rank jobs overlap their start-up): name -> RunResult."""
+    with ThreadPoolExecutor(len(JOBS)) as pool:
+        futs = {
+            name: pool.submit(run_training, runs_root / name, [*BASE, *extra], launcher=False, env=env)
+            for name, (env, extra) in JOBS.items()
+        }
+        return {name: f.result() for name, f in futs.items()}
+
+
+@pytest.fixture(scope="module")
+def nan_run(jobs):
+    return jobs["nan_zero2"]
+
+
+@pytest.fixture(scope="module")
+def inf_grad_zero0_run(jobs):
+    return jobs["infgrad_zero0"]
 
 
 def _assert_step_untouched(run_dir, before: int, after: int):
@@ -61,8 +76,8 @@ def test_inf_gradient_with_finite_loss_is_skipped_under_zero0(inf_grad_zero0_run
     _assert_step_untouched(r.run_dir, 2, 3)
 
 
-def test_consecutive_bad_steps_stop_with_message_and_checkpoint(runs_root):
-    r = _run(runs_root, "nan_stop", {"K3_FAULT_NAN_AT_STEP": "2,3,4"}, ["train.max_bad_steps=2"])
+def test_consecutive_bad_steps_stop_with_message_and_checkpoint(jobs):
+    r = jobs["nan_stop"]
     assert r.returncode == 3, r.tail()
     line = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert line and "2 consecutive non-finite steps" in line[0] and "train.max_bad_steps=2" in line[0]
