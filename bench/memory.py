@@ -166,18 +166,15 @@ def sp_rank_child(preset: str, seq_len: int, sp: int, out: str) -> None:
 
 def sp_case(case: str, env: dict[str, str], tmp: str) -> list[dict[str, Any]]:
     """Rows of one --sp case: 1 rank SP=1 and 2 ranks SP=2 through the launcher, per rank."""
-    import socket
+    from bench.common import free_port
 
     preset, _, seq = case.partition(":")
-    runtime_heap = _child_json(preset, seq, env)["runtime_heap_GB"]
+    runtime_heap = memory_child(preset, seq, env)["runtime_heap_GB"]
     rows: list[dict[str, Any]] = []
     for sp in (1, 2):
         out = os.path.join(tmp, f"{preset}_{seq}_sp{sp}")
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = str(sock.getsockname()[1])
         launcher = [str(Path(sys.executable).parent / "deepspeed"), "--no_local_rank", "--num_gpus", str(sp)]
-        cmd = [*launcher, "--master_port", port, __file__, "--sp-rank-child", preset, seq, str(sp), out]
+        cmd = [*launcher, "--master_port", free_port(), __file__, "--sp-rank-child", preset, seq, str(sp), out]
         p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
         if p.returncode != 0:
             raise SystemExit(f"--sp {case} SP={sp} failed: {p.stderr.strip().splitlines()[-1:]}")
@@ -204,7 +201,8 @@ def sp_case(case: str, env: dict[str, str], tmp: str) -> list[dict[str, Any]]:
     return rows
 
 
-def _child_json(preset: str, seq: str, env: dict[str, str]) -> dict[str, float]:
+def memory_child(preset: str, seq: str, env: dict[str, str]) -> dict[str, float]:
+    """One 1-process measurement (`child`) in a fresh process: its JSON record."""
     r = subprocess.run(
         [sys.executable, "-m", "bench.memory", "--child", preset, seq],
         cwd=ROOT,
@@ -285,7 +283,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         preset, _, seq = case.partition(":")
         if not seq.isdigit():
             raise SystemExit(f"--cases item {case!r} must be preset:seq_len, e.g. tiny:1024")
-        rows.append({"preset": preset, "seq_len": int(seq), **_child_json(preset, seq, env)})
+        rows.append({"preset": preset, "seq_len": int(seq), **memory_child(preset, seq, env)})
         print(f"{case}: {rows[-1]}", flush=True)
     print_table(
         "train-step memory, measured vs planner (fp32, batch 1, 1 process; GB = 1e9 B; goal ratio 0.9..1.1)",

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -92,25 +91,11 @@ def rank_child(preset: str, seq: int, layout: str, out: str, overrides: list[str
     Path(f"{out}.rank{info.rank}.json").write_text(json.dumps(rec))
 
 
-def _port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def runtime_heap(preset: str, seq: int, env: dict[str, str]) -> float:
     """The non-tensor runtime heap of one train step of this case (bench/memory.py's measured constant), GB."""
-    r = subprocess.run(
-        [sys.executable, "-m", "bench.memory", "--child", preset, str(seq)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    if r.returncode != 0:
-        raise SystemExit(f"bench.memory child failed: {r.stderr.strip().splitlines()[-1:]}")
-    return float(json.loads(r.stdout.strip().splitlines()[-1])["runtime_heap_GB"])
+    from bench.memory import memory_child
+
+    return float(memory_child(preset, str(seq), env)["runtime_heap_GB"])
 
 
 def main() -> None:
@@ -126,7 +111,7 @@ def main() -> None:
         return
     import tempfile
 
-    from bench.common import print_table, write_json
+    from bench.common import free_port, print_table, write_json
 
     env = dict(
         os.environ,
@@ -149,7 +134,7 @@ def main() -> None:
                     "--num_gpus",
                     "2",
                     "--master_port",
-                    _port(),
+                    free_port(),
                     __file__,
                     "--rank-child",
                     preset,

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -152,9 +151,9 @@ def main(argv: list[str] | None = None) -> None:
     if "RANK" in os.environ:
         _worker(a.quick, reps)
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    from bench.common import free_port
+
+    port = free_port()
     root = Path(__file__).resolve().parents[1]
     procs = []
     for r in range(2):

@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import resource
-import socket
 import subprocess
 import sys
 import tempfile
@@ -74,13 +73,9 @@ def make_checkpoint(path: Path) -> int:
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
-def _port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def run(tmp: Path, name: str, nproc: int, overrides: list[str]) -> list[dict]:
+    from bench.common import free_port
+
     out = tmp / name
     env = dict(
         os.environ,
@@ -92,7 +87,7 @@ def run(tmp: Path, name: str, nproc: int, overrides: list[str]) -> list[dict]:
     )
     args = [__file__, "--worker", str(out), f"run_dir={tmp / (name + '_run')}", *overrides]
     if nproc == 1:
-        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=_port())
+        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
         cmd = [sys.executable, *args]
     else:
         env.pop("RANK", None)
@@ -102,7 +97,7 @@ def run(tmp: Path, name: str, nproc: int, overrides: list[str]) -> list[dict]:
             "--num_gpus",
             str(nproc),
             "--master_port",
-            _port(),
+            free_port(),
             *args,
         ]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)

@@ -66,9 +66,9 @@ def check_layout(zero_stage: int, ep_size: int, ds_config: dict[str, Any]) -> No
     if zero_stage != 3 or ep_size <= 1:
         return
     what = f"ZeRO-3 with parallel.ep_size={ep_size}"
-    if int(ds_config.get("sequence_parallel_size", 1) or 1) > 1:
+    if sp > 1:
         raise LayoutError(
-            f"{what} cannot use parallel.sp_size={ds_config['sequence_parallel_size']} (DeepSpeed AutoEP + ZeRO-3 "
+            f"{what} cannot use parallel.sp_size={sp} (DeepSpeed AutoEP + ZeRO-3 "
             "refuses sequence parallelism); use deepspeed=zero2 with EP, or parallel.ep_size=1 with ZeRO-3"
         )
     if int(z.get("zero_hpz_partition_size", 1) or 1) > 1:
