@@ -38,7 +38,7 @@ def rank_child(preset: str, seq: int, layout: str, out: str, overrides: list[str
     from training.engine import build_ds_config, initialize, param_groups
     from training.metrics.heap import HeapPeak
     from training.parallel.construct import build_model
-    from training.tools.plan import Hardware, Layout, plan
+    from training.tools.plan import Hardware, Layout, plan, zero3_knobs_from_json
 
     torch.set_num_threads(1)
     info = init_distributed()
@@ -78,6 +78,7 @@ def rank_child(preset: str, seq: int, layout: str, out: str, overrides: list[str
         seq_len=seq,
         precision="fp32",
         reduce_bucket_size=int(cfg.deepspeed.reduce_bucket_size),
+        **zero3_knobs_from_json(ds),
     )
     p = plan(mcfg, lay, Hardware(nodes=1, gpus_per_node=2, reserve_gb=0.0, attention="flash"))
     # on a CPU the "device" and the offload target are the same memory: the rank's total is both

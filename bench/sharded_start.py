@@ -12,8 +12,6 @@ an index) is the `model.init_from` of real training jobs (the Trainer of trainin
 Each process reports its peak RSS (getrusage ru_maxrss: the whole life of the process up to the end of step 1,
 imports included) and the checkpoint bytes it read; glibc runs with a fixed 128 KiB mmap threshold (as in
 bench/memory.py) so RSS follows live tensors. Goal (issue 14): each rank <= 0.6x the single process.
-fp32 ZeRO-3 keeps a separate fp32 master partition besides the module partition (stage3 `_create_fp32_partitions`):
-5 copies per parameter over 2 ranks against ZeRO-0's 4 in one process, a floor of 0.625x against ZeRO-0.
 """
 
 from __future__ import annotations

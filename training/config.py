@@ -157,6 +157,9 @@ class DeepSpeedSection:
     offload_param: bool = False
     overlap_comm: bool = False
     reduce_bucket_size: int = 50_000_000
+    # ZeRO-3: optimizer sub-group size in elements (DeepSpeed's default 1e9). The step flattens one sub-group's
+    # gradients at a time (stage3 `_prepare_fp32_grad_for_sub_group`), so this bounds that fp32 transient.
+    sub_group_size: int = 20_000_000
     extra: Dict[str, Any] = field(default_factory=dict)  # deep-merged last into the generated JSON
 
 

@@ -230,13 +230,15 @@ class Trainer:
         for mb in mbs:
             out = self.engine(**mb.model_inputs(self.device))
             n = mb.n_targets
-            self.engine.backward(out.loss * (n * scale_base) if n > 0 else out.loss * 0.0)
+            loss_t, aux_t = out.loss, out.aux_loss
+            routing.add(out.router_stats)
+            del out  # its logits [B, T, V] would live through backward, the optimizer step and the next forward
+            self.engine.backward(loss_t * (n * scale_base) if n > 0 else loss_t * 0.0)
             self.engine.step()
-            aux = out.aux_loss.detach().double() if out.aux_loss is not None else None
-            loss_sum += (out.loss.detach().double() - (aux if aux is not None else 0.0)).cpu() * n
+            aux = aux_t.detach().double() if aux_t is not None else None
+            loss_sum += (loss_t.detach().double() - (aux if aux is not None else 0.0)).cpu() * n
             if aux is not None:
                 aux_sum += aux.cpu() / self.ga
-            routing.add(out.router_stats)
         totals = all_reduce_sum(torch.stack([loss_sum, aux_sum]))
         loss = float(totals[0]) / max(1, n_global)
         skipped = self.guard.after_step(self.step + 1, self.engine.was_step_applied(), loss)

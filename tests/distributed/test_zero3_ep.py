@@ -3,7 +3,8 @@
 Jobs (tiny_ci model started from one random HF checkpoint, global batch 4 rows, 8 steps, checkpoints every 4),
 in two concurrent waves:
   z3ep2      2 ranks deepspeed=zero3 parallel.ep_size=2 (micro 2, GA 1), model.init_from (sharded start); gathers
-             the full model as built and after the last step (tests/distributed/gather_worker.py)
+             the full model as built and after the last step, then probes what one forward keeps for backward
+             (tests/distributed/gather_worker.py)
   z0         1 rank deepspeed=zero0, EP=1, GA=2, the same init_from and global batches: the reference
   z3ep2_kill like z3ep2, SIGKILLed (kill -9) right after step 6, then resumed with checkpoint.resume=auto
   z3_w1      1 rank deepspeed=zero3 EP=1 GA=2 resumed from z3ep2's step-4 checkpoint (another EP size and world
@@ -13,6 +14,7 @@ in two concurrent waves:
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -60,7 +62,14 @@ def jobs(runs_root) -> dict[str, RunResult]:
     init = [f"model.init_from={hf}"]
     with ThreadPoolExecutor(3) as pool:
         ep2 = pool.submit(
-            run_training, root / "z3ep2", [*Z3EP2, *init], 2, {"K3_GATHER_AT_START": "1"}, True, 600, GATHER
+            run_training,
+            root / "z3ep2",
+            [*Z3EP2, *init],
+            2,
+            {"K3_GATHER_AT_START": "1", "K3_MEMORY_PROBE": "1"},
+            True,
+            600,
+            GATHER,
         )
         z0 = pool.submit(run_training, root / "z0", [*Z0, *init], 1, None, False)
         kill = pool.submit(
@@ -172,6 +181,21 @@ def test_sharded_start_from_hf_builds_the_checkpoint_reading_each_share_once(job
     per_rank = got["bytes_read"]
     assert len(per_rank) == 2 and all(b < 0.6 * total for b in per_rank), (per_rank, total)
     assert sum(per_rank) < 1.1 * total  # each share read once (plus the rows two partitions share)
+
+
+def test_zero3_autograd_pins_no_gathered_weight_from_forward_to_backward(jobs):
+    # DeepSpeed's memory-efficient linear (training/parallel/construct.py): the saved weight is the parameter, which
+    # ZeRO-3 releases and gathers again for backward; plain F.linear saves weight.t(), a view that pins the gathered
+    # copy (on `small`, 2 ranks: 0.43 GB)
+    probe = json.loads((jobs["z3ep2"].run_dir / "memory_probe.json").read_text())
+    assert probe["saved_bytes"] > 0
+    assert probe["pinned_gathered"] == {}
+
+
+def test_fp32_zero3_master_partitions_are_the_module_partitions(jobs):
+    # training/engine.py share_zero3_master_weights: no second fp32 copy of fp32 weights (DeepSpeed's alias branch)
+    probe = json.loads((jobs["z3ep2"].run_dir / "memory_probe.json").read_text())
+    assert probe["master_is_module_partition"] and all(probe["master_is_module_partition"])
 
 
 def test_zero3_offload_ep2_trains_like_zero3_ep2(jobs):

@@ -39,6 +39,15 @@ def test_ds_json_offload_uses_deepspeed_optimizer():
     assert ds["optimizer"]["type"] == "AdamW"
 
 
+def test_zero3_json_bounds_the_optimizer_sub_group():
+    # stage3 flattens one sub-group's gradients at a time in its step: the trainer's default keeps that at 80 MB
+    z3 = build_ds_config(compose(["deepspeed=zero3"]), world_size=1)["zero_optimization"]
+    assert z3["sub_group_size"] == 20_000_000
+    z3 = build_ds_config(compose(["deepspeed=zero3", "deepspeed.sub_group_size=1000"]), world_size=1)
+    assert z3["zero_optimization"]["sub_group_size"] == 1000
+    assert "sub_group_size" not in build_ds_config(compose(["deepspeed=zero2"]), world_size=1)["zero_optimization"]
+
+
 def test_any_deepspeed_key_overridable_from_the_command_line():
     cfg = compose(
         [

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from training.config import DeepSpeedSection
 from training.metrics.flops import flops_per_token
 from training.metrics.system import GPU_PEAK_BF16
 from training.tools.activation_memory import activation_bytes, loss_backward_bytes
@@ -59,17 +60,50 @@ class Layout:
     grad_accum: int = 1
     activation_checkpointing: bool = False
     precision: str = "bf16"  # bf16 | fp32
-    reduce_bucket_size: int = 50_000_000
+    reduce_bucket_size: int = DeepSpeedSection.reduce_bucket_size
     overlap_comm: bool = False
+    sub_group_size: int = DeepSpeedSection.sub_group_size
+    # ZeRO-3 gathering knobs (DeepSpeed JSON zero_optimization stage3_*); None: DeepSpeed's own default
+    max_live_parameters: int | None = None
+    max_reuse_distance: int | None = None
+    prefetch_bucket_size: int | None = None
 
 
-def state_bytes_per_param(precision: str, zero_stage: int = 0) -> dict[str, int]:
-    """Mixed precision (ZeRO paper): bf16 weights 2 + bf16 grads 2 + fp32 master, m, v 12. fp32: 4 + 4 + m, v 8,
-    and with a ZeRO optimizer (stage >= 1) its own fp32 master partition too (stage_1_and_2 / stage3
-    `_create_fp32_partitions` copy the fp32 weights even when they are fp32 already): optimizer 12."""
-    if precision == "bf16":
-        return {"weights": 2, "grads": 2, "optimizer": 12}
-    return {"weights": 4, "grads": 4, "optimizer": 12 if zero_stage >= 1 else 8}
+def zero3_knobs_from_json(ds_config: dict[str, Any]) -> dict[str, int]:
+    """Layout's ZeRO-3 fields that the DeepSpeed JSON sets (training/engine.py build_ds_config, `deepspeed.extra`
+    merged), read under DeepSpeed's key names; the others keep Layout's defaults."""
+    z = ds_config.get("zero_optimization", {}) or {}
+    keys = {f"stage3_{k}": k for k in ("max_live_parameters", "max_reuse_distance", "prefetch_bucket_size")}
+    keys["sub_group_size"] = "sub_group_size"
+    return {field_: int(z[key]) for key, field_ in keys.items() if key in z}
+
+
+def zero3_gather_knobs(layout: Layout) -> tuple[int, int, int]:
+    """(max_live_parameters, max_reuse_distance, prefetch_bucket_size) as DeepSpeed reads them: unset ones take
+    the defaults of its own config model (runtime/zero/config.py DeepSpeedZeroConfig), so they have one home."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    d = DeepSpeedZeroConfig(stage=3)
+    pick = (
+        (layout.max_live_parameters, d.max_live_parameters),
+        (layout.max_reuse_distance, d.max_reuse_distance),
+        (layout.prefetch_bucket_size, d.prefetch_bucket_size),
+    )
+    return tuple(int(v if v is not None else default) for v, default in pick)  # type: ignore[return-value]
+
+
+def state_bytes_per_param(precision: str, zero_stage: int = 0, offload_optimizer: bool = False) -> dict[str, int]:
+    """Mixed precision (ZeRO paper): bf16 weights 2 + bf16 grads 2 + fp32 master, m, v 12, except that ZeRO-3 keeps
+    its gradient partition in `data_types.grad_accum_dtype`, fp32 in the trainer's JSON (stage3
+    `grad_partitions_flat_buffer`): grads 4. fp32: 4 + 4 + m, v 8,
+    and with ZeRO-1/2 their own fp32 master partition too (stage_1_and_2 clones the fp32 weights even when they are
+    fp32 already): optimizer 12. fp32 ZeRO-3 updates the module partition itself (the trainer applies stage3's
+    "no second copy" branch, training/engine.py `share_zero3_master_weights`) unless the optimizer is offloaded,
+    where the master lives beside the CPU optimizer: 8, or 12 offloaded."""
+    if precision == "bf16":  # ZeRO-3 accumulates into an fp32 partition: the trainer's grad_accum_dtype fp32
+        return {"weights": 2, "grads": 4 if zero_stage == 3 else 2, "optimizer": 12}
+    separate_master = zero_stage in (1, 2) or (zero_stage == 3 and offload_optimizer)
+    return {"weights": 4, "grads": 4, "optimizer": 12 if separate_master else 8}
 
 
 def grads_persist(layout: Layout) -> bool:
@@ -79,15 +113,21 @@ def grads_persist(layout: Layout) -> bool:
     return layout.zero_stage >= 1 or layout.precision == "bf16"
 
 
+BACKWARD_TERMS = ("activations", "loss_backward", "zero3_gathered")  # alive from the forward into the backward
+STEP_TERMS = ("optimizer_step",)  # alive during the optimizer step only
+
+
 def peak_bytes(gpu: dict[str, float], grads_persist: bool) -> float:
     """Peak of one train step from the memory terms. Backward frees activations layer by layer while it creates
     gradients, so the two coexist in full only when gradients persist; otherwise the peak is the larger end of the
-    backward: its start (every activation + the loss backward's transient) or its end (every gradient)."""
-    static = sum(v for k, v in gpu.items() if k not in ("grads", "activations", "loss_backward"))
-    start = gpu["activations"] + gpu["loss_backward"]
+    backward: its start (every activation, gathered weight and the loss backward's transient) or its end (every
+    gradient). The optimizer step comes after the backward has freed all that, with its own transient."""
+    static = sum(v for k, v in gpu.items() if k not in ("grads", *BACKWARD_TERMS, *STEP_TERMS))
+    start = sum(gpu.get(k, 0.0) for k in BACKWARD_TERMS)
+    step = sum(gpu.get(k, 0.0) for k in STEP_TERMS)
     if grads_persist:
-        return static + gpu["grads"] + start
-    return static + max(start, gpu["grads"])
+        return static + gpu["grads"] + max(start, step)
+    return static + max(start, gpu["grads"] + step)
 
 
 def sp_all_to_all_bytes(config, tokens_local: float, sp: int, act_b: int, passes: int) -> float:
@@ -118,6 +158,20 @@ def _largest_unit(config, bd: dict[str, int], ep: int) -> int:
     return int(max(V * d, mixer + max(moe, bd.get("dense_ffn_layer", 0))))
 
 
+def zero3_gathered_params(config, bd: dict[str, int], layout: Layout, local_full: float) -> float:
+    """Parameters ZeRO-3 holds gathered at the start of backward (the peak), in elements. DeepSpeed's coordinator
+    keeps a released module's parameters when they are used again within `max_reuse_distance` elements of the
+    trace, and its prefetcher (when `prefetch_bucket_size` > 0) keeps the gathered parameters it walks past, up to
+    `max_live_parameters` (partitioned_param_coordinator `__params_to_release`, `fetch_sub_module`): at most the
+    larger of the two plus the unit being computed, never more than the whole model as this rank sees it
+    (`local_full`: dense tensors whole, its experts whole). Measured on 2 CPU ranks (`small`, 0.81 GB): DeepSpeed's
+    defaults (1e9, 1e9, 5e7) keep all of it gathered, as planned; live = reuse = 5e7 keep 0.21 GB (planned 0.30);
+    reuse = prefetch = 0 keep none beyond the unit in use (planned: that unit, 0.10 GB)."""
+    live, reuse, prefetch = zero3_gather_knobs(layout)
+    kept = max(reuse, live if prefetch > 0 else 0)
+    return min(local_full, kept + _largest_unit(config, bd, layout.ep_size))
+
+
 def plan(
     config, layout: Layout, hw: Hardware, breakdown: dict[str, int] | None = None, warnings: Sequence[str] = ()
 ) -> dict[str, Any]:
@@ -135,7 +189,7 @@ def plan(
     n_expert = bd["moe_routed_experts"]
     n_dense = bd["total"] - n_expert
     dp_dense, dp_expert = W, W // ep  # data-parallel group of dense params; of each expert shard
-    per = state_bytes_per_param(layout.precision, z)
+    per = state_bytes_per_param(layout.precision, z, layout.offload_optimizer)
     params = {"dense": n_dense, "expert": n_expert / ep}
 
     def shard(stage_min: int) -> float:
@@ -145,20 +199,28 @@ def plan(
         )
 
     w_local, g_local, o_local = shard(3), shard(2), shard(1)
+    # ZeRO-3 with an offloaded optimizer keeps its gradient partition on the CPU too (stage3 `self.device`)
+    grads_on_cpu = z == 3 and layout.offload_optimizer
     gpu = {
         "weights": 0.0 if layout.offload_param else w_local * per["weights"],
-        "grads": g_local * per["grads"],
+        "grads": 0.0 if grads_on_cpu else g_local * per["grads"],
         "optimizer": 0.0 if layout.offload_optimizer else o_local * per["optimizer"],
     }
     # ZeRO-Offload also keeps an fp32 gradient partition beside the CPU optimizer (measured: bench/memory_dist.py)
-    cpu_per_gpu = (o_local * (per["optimizer"] + 4) if layout.offload_optimizer else 0.0) + (
-        w_local * per["weights"] if layout.offload_param else 0.0
+    cpu_per_gpu = (
+        (o_local * (per["optimizer"] + 4) if layout.offload_optimizer else 0.0)
+        + (w_local * per["weights"] if layout.offload_param else 0.0)
+        + (g_local * per["grads"] if grads_on_cpu else 0.0)
     )
-    if z == 3:  # gathered working set: the layer being computed + the prefetched next one
-        gpu["zero3_gathered"] = 2.0 * _largest_unit(config, bd, ep) * per["weights"]
-    # ZeRO-3 reduces through one bucket unless overlap_comm double-buffers it (measured: bench/memory_dist.py)
+    if z == 3:  # gathered full tensors held at the peak (zero3_gathered_params)
+        local_full = params["dense"] + params["expert"]
+        gpu["zero3_gathered"] = zero3_gathered_params(config, bd, layout, local_full) * per["weights"]
+        if not layout.offload_optimizer:  # the step flattens one sub-group's gradients at a time, in fp32
+            gpu["optimizer_step"] = min(layout.sub_group_size, o_local) * 4.0
+    # ZeRO-3 reduces through one bucket unless overlap_comm double-buffers it (measured: bench/memory_dist.py); a
+    # bucket holds gradients in the parameters' dtype
     n_buckets = 1.0 if z == 3 and not layout.overlap_comm else 2.0
-    gpu["comm_buckets"] = n_buckets * layout.reduce_bucket_size * per["grads"]
+    gpu["comm_buckets"] = n_buckets * layout.reduce_bucket_size * per["weights"]
     if z == 0:  # no ZeRO buckets: engine.allreduce_gradients flattens at most MEMORY_OPT_ALLREDUCE_SIZE grads at once
         gpu["comm_buckets"] = min(g_local, ZERO0_ALLREDUCE_ELEMENTS) * per["grads"] if W > 1 else 0.0
     act_b = 2 if layout.precision == "bf16" else 4
@@ -192,11 +254,15 @@ def plan(
 
     # data-parallel gradient traffic: ring reduce-scatter + all-gather = 2 (g-1)/g of the bytes (ZeRO-3: 3)
     factor = 3.0 if z == 3 else 2.0
-    dp_dense_b = factor * (dp_dense - 1) / dp_dense * params["dense"] * per["grads"]
-    dp_exp_b = factor * (dp_expert - 1) / dp_expert * params["expert"] * per["grads"] if dp_expert > 1 else 0.0
-    dense_bw = hw.net_gbps if hw.nodes > 1 else hw.nvlink_gbps
-    exp_bw = hw.net_gbps if (ep >= hw.gpus_per_node and dp_expert > 1 and hw.nodes > 1) else hw.nvlink_gbps
-    dp_s = dp_dense_b * 8 / (dense_bw * 1e9) + dp_exp_b * 8 / (exp_bw * 1e9)
+    # gradients travel in the parameters' dtype (DeepSpeed's default communication_data_type), whatever they
+    # accumulate in
+    wire = per["weights"]
+    dp_dense_b = factor * (dp_dense - 1) / dp_dense * params["dense"] * wire
+    dp_exp_b = factor * (dp_expert - 1) / dp_expert * params["expert"] * wire if dp_expert > 1 else 0.0
+    # a ring over a group that spans nodes runs at the network's rate: the dense group is every rank, and an
+    # expert-data-parallel group (ranks r, r + e, r + 2e, ...) spans every node too
+    bw = hw.net_gbps if hw.nodes > 1 else hw.nvlink_gbps
+    dp_s = (dp_dense_b + dp_exp_b) * 8 / (bw * 1e9)
     step_s = compute_s + (1 - hw.a2a_overlap) * a2a_s + sp_s + (1 - hw.dp_overlap) * dp_s
     tokens_step = tokens_gpu * W
 
@@ -281,10 +347,12 @@ def format_table(p: dict[str, Any]) -> str:
     for k, v in g.items():
         if k != "total":
             rows.append((f"  GPU {k}", f"{v:10.2f} GB"))
+    backward = " + ".join(k for k in BACKWARD_TERMS if k in g)
+    step = " + ".join(k for k in STEP_TERMS if k in g)
     peak_rule = (
-        "every term"
+        (f"max({backward}, {step}) + the other terms: the step comes after backward" if step else "every term")
         if grads_persist(Layout(**lay))
-        else "max(activations + loss_backward, grads) + the other terms: fp32 ZeRO-0 creates grads in backward"
+        else f"max({backward}, grads) + the other terms: fp32 ZeRO-0 creates grads in backward"
     )
     rows.append(
         (
@@ -360,6 +428,7 @@ def from_overrides(argv: Sequence[str]) -> tuple[Any, Layout, Hardware, dict[str
     The trainer's cross-key validation runs for the planned world size; what it refuses (e.g. ZeRO-3 with expert
     parallelism) is still planned, with the refusal as a warning, so hypothetical layouts can be compared."""
     from training.config import TrainConfigError, build_model_config, compose, validate
+    from training.engine import build_ds_config
 
     hydra, planner = split_overrides(argv)
     cfg = compose(hydra)
@@ -388,6 +457,7 @@ def from_overrides(argv: Sequence[str]) -> tuple[Any, Layout, Hardware, dict[str
         precision=precision,
         reduce_bucket_size=int(cfg.deepspeed.reduce_bucket_size),
         overlap_comm=bool(cfg.deepspeed.overlap_comm),
+        **zero3_knobs_from_json(build_ds_config(cfg, hw.world)),
     )
     warnings = []
     try:
