@@ -93,13 +93,14 @@ def zero3_gather_knobs(layout: Layout) -> tuple[int, int, int]:
 
 
 def state_bytes_per_param(precision: str, zero_stage: int = 0, offload_optimizer: bool = False) -> dict[str, int]:
-    """Mixed precision (ZeRO paper): bf16 weights 2 + bf16 grads 2 + fp32 master, m, v 12, except that ZeRO-3 keeps
-    its gradient partition in `data_types.grad_accum_dtype`, fp32 in the trainer's JSON (stage3
-    `grad_partitions_flat_buffer`): grads 4. fp32: 4 + 4 + m, v 8,
-    and with ZeRO-1/2 their own fp32 master partition too (stage_1_and_2 clones the fp32 weights even when they are
-    fp32 already): optimizer 12. fp32 ZeRO-3 updates the module partition itself (the trainer applies stage3's
-    "no second copy" branch, training/engine.py `share_zero3_master_weights`) unless the optimizer is offloaded,
-    where the master lives beside the CPU optimizer: 8, or 12 offloaded."""
+    """Bytes per parameter of weights, gradients and optimizer state.
+
+    bf16 (ZeRO paper): weights 2 + grads 2 + fp32 master, m, v 12; ZeRO-3 keeps its gradient partition in
+    `data_types.grad_accum_dtype`, fp32 in the trainer's JSON (stage3 `grad_partitions_flat_buffer`): grads 4.
+    fp32: 4 + 4 + m, v 8. ZeRO-1/2 add their own fp32 master partition (stage_1_and_2 clones fp32 weights too):
+    optimizer 12. fp32 ZeRO-3 updates the module partition itself (the trainer applies stage3's "no second copy"
+    branch, training/engine.py `share_zero3_master_weights`): 8, unless the optimizer is offloaded and its master
+    lives beside the CPU optimizer: 12."""
     if precision == "bf16":  # ZeRO-3 accumulates into an fp32 partition: the trainer's grad_accum_dtype fp32
         return {"weights": 2, "grads": 4 if zero_stage == 3 else 2, "optimizer": 12}
     separate_master = zero_stage in (1, 2) or (zero_stage == 3 and offload_optimizer)
