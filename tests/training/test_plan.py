@@ -267,6 +267,9 @@ def test_zero3_gathered_weights_are_bounded_by_max_live_parameters_and_reuse_dis
     p = _zero3(cfg, max_live_parameters=1_000_000, max_reuse_distance=3_000_000)
     unit = _largest_unit(cfg, param_breakdown(cfg), 2)
     assert p["gpu_memory_gb"]["zero3_gathered"] * 1e9 == pytest.approx((3_000_000 + unit) * 4)
+    # without prefetching nothing walks past gathered parameters: the live limit keeps none of them
+    p = _zero3(cfg, max_live_parameters=10**9, max_reuse_distance=0, prefetch_bucket_size=0)
+    assert p["gpu_memory_gb"]["zero3_gathered"] * 1e9 == pytest.approx(unit * 4)
 
 
 def test_zero3_step_transient_is_one_sub_group_and_comes_after_the_backward():
