@@ -1,4 +1,5 @@
-"""Shared test fixtures: deterministic torch, paths to the shared spec assets, the EP=2 job two directories share."""
+"""Shared test fixtures: deterministic torch, paths to the shared spec assets, the EP=2 job two directories share;
+which tests share a pytest-xdist worker, and in what order the units of work start."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ torch.set_num_threads(1)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_K3 = REPO_ROOT.parent / "shared" / "k3"
+TESTS = Path(__file__).resolve().parent
 
 
 @pytest.fixture(autouse=True)
@@ -51,3 +53,65 @@ def ep2_ref():
     root = Path(tempfile.mkdtemp(prefix="k3-ep2-ref-"))
     yield must_succeed(run_training(root / "ep2", EP2_JOB, nproc=2))
     shutil.rmtree(root, ignore_errors=True)
+
+
+# --- Two pytest-xdist workers (pyproject addopts: -n 2 --dist loadfile --no-loadscope-reorder) --------------------
+# Each worker is a pytest session of its own: a session fixture runs once on every worker that needs it, a module
+# fixture once on every worker that runs a test of its module. So a worker takes a whole unit at a time: a test file,
+# or one of these sets of files (a session fixture they share runs once; fault/test_sweep.py launches with the
+# deepspeed launcher's default master port 29500, as two documented commands do: never at the same time).
+SHARED = {
+    "default-master-port": ("test_documented_commands.py", "fault/test_sweep.py"),
+    "ep2_ref": ("distributed/test_expert_parallel_train.py", "fault/test_kill.py"),
+    "ref_run": ("distributed/test_zero.py", "distributed/test_resume.py", "distributed/test_layouts.py"),
+    "base_run": ("fault/test_run_identity.py", "fault/test_untrusted.py", "fault/test_data_faults.py"),
+    "real_run": ("training/test_report.py", "training/test_generate_cli.py"),
+    "data-fixtures": ("data/",),  # corpus, tokenizers (tests/data/conftest.py)
+}
+# Units start in this order, the longest first (seconds on an idle 2-core machine, run alone), so the two workers
+# end together: a unit not listed starts after these, in collection order (all of them are short).
+FIRST = (
+    "default-master-port",  # 240 + 40
+    "distributed/test_zero3_ep.py",  # 145
+    "ep2_ref",  # 90 + 40
+    "ref_run",  # 60 + 45 + 30
+    "distributed/test_sequence_parallel.py",  # 95
+    "base_run",  # 25 + 30 + 15
+    "distributed/test_expert_parallel_engine.py",  # 25
+    "training/test_entry_points.py",  # 30
+    "training/test_sft.py",  # 25
+    "fault/test_nonfinite.py",  # 25
+    "training/test_run_files.py",  # 20
+    "fault/test_processes.py",  # 20
+    "fault/test_soak.py",  # 17
+    "model/test_typecheck.py",  # 13
+)
+
+
+def unit(path: Path) -> str:
+    """The unit of work the test file `path` belongs to."""
+    rel = path.resolve().as_posix().removeprefix(f"{TESTS.as_posix()}/")
+    return next((name for name, files in SHARED.items() if any(rel.startswith(f) for f in files)), rel)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The units longest first (a unit's tests stay together, in file order, so module fixtures are set up once)."""
+    rank = {name: i for i, name in enumerate(FIRST)}
+    order = {item: (rank.get(unit(Path(item.path)), len(FIRST)), i) for i, item in enumerate(items)}
+    items.sort(key=order.__getitem__)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's loadfile scheduling, a unit (`unit`) in place of a file. (Not `--dist loadgroup` with xdist_group
+    marks: xdist 3.8 appends the group to each test's node id, which pytest 9.2 no longer lets a plugin change, so
+    every test became a unit of its own and the module fixtures ran on both workers.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class UnitScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit(config.rootpath / nodeid.split("::", 1)[0])
+
+    return UnitScheduling(config, log)

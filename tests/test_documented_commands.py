@@ -140,7 +140,9 @@ def test_gpu_script_refuses_without_cuda():
     assert p.returncode == 2 and len(errors) == 1, p.stderr[-2000:]
 
 
-# Commands run two at a time (the CI machine's 2 cores; most are 1-process jobs with OMP_NUM_THREADS=1).
+# Commands run two at a time (the CI machine's 2 cores; most are 1-process jobs with OMP_NUM_THREADS=1), also beside
+# the other pytest-xdist worker: this is the suite's longest test, and with a larger share of the machine it ends
+# before the other worker's queue runs dry instead of last, alone on one core.
 WORKERS = 2
 
 

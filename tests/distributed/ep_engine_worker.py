@@ -91,7 +91,9 @@ def main() -> None:
         "gradient_accumulation_steps": ga,
         "train_batch_size": micro * ga * world,
         "gradient_clipping": float(os.environ.get("EP_TEST_CLIP", "0.05")),
-        "zero_optimization": {"stage": 2},
+        # buckets that still hold every gradient of this 22k-parameter model (one bucket, as with DeepSpeed's default
+        # 5e8) without allocating 2 GB per bucket set-up: ~13 s of page faults per process saved
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": 1_000_000, "allgather_bucket_size": 1_000_000},
         "steps_per_print": 10**9,
     }
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds)

@@ -15,6 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import deepspeed  # noqa: E402
+import deepspeed.ops  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
@@ -25,6 +26,9 @@ from training.parallel.ulysses import ulysses_shard  # noqa: E402
 
 def main() -> None:
     out_path, T, lengths = sys.argv[1], int(sys.argv[2]), [int(x) for x in sys.argv[3].split(",")]
+    # as every entry point does (training/distributed.py): no JIT build of DeepSpeed's shm comm op (~40 s on CPU,
+    # again after each switch of virtualenv: the build cache is shared), gloo alone
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed("gloo")
     shard, _ = ulysses_shard(dist.get_world_size())
     torch.manual_seed(0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -16,22 +17,15 @@ SHORT = 3
 
 @pytest.fixture(scope="module")
 def zero_runs(runs_root):
-    out = {}
-    for stage in (1, 3):
-        over = [o for o in REF if not o.startswith(("deepspeed=", "train.steps=", "checkpoint.every="))]
-        out[stage] = must_succeed(
-            run_training(
-                runs_root / f"zero{stage}",
-                [
-                    *over,
-                    f"deepspeed=zero{stage}",
-                    f"train.steps={SHORT}",
-                    "checkpoint.every=0",
-                    "logging.mode=disabled",
-                ],
-            )
-        )
-    return out
+    """The ZeRO-1 and ZeRO-3 jobs at once (independent; concurrent jobs overlap their start-up): stage -> RunResult."""
+    over = [o for o in REF if not o.startswith(("deepspeed=", "train.steps=", "checkpoint.every="))]
+    over += [f"train.steps={SHORT}", "checkpoint.every=0", "logging.mode=disabled"]
+    with ThreadPoolExecutor(2) as pool:
+        futs = {
+            stage: pool.submit(run_training, runs_root / f"zero{stage}", [*over, f"deepspeed=zero{stage}"])
+            for stage in (1, 3)
+        }
+        return {stage: must_succeed(f.result()) for stage, f in futs.items()}
 
 
 def test_zero2_loss_finite_and_decreasing(ref_run):
