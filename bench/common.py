@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import socket
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -125,13 +124,6 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Iterable[str] | None =
 
 def print_table(title: str, rows: Sequence[dict[str, Any]], columns: Iterable[str] | None = None) -> None:
     print(f"\n{title}\n{format_table(rows, columns)}", flush=True)
-
-
-def free_port() -> str:
-    """A free TCP port on localhost for a launcher's --master_port / MASTER_PORT."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
 
 
 def write_json(name: str, payload: dict[str, Any], results_dir: str | os.PathLike | None = None) -> Path:

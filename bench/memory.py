@@ -166,15 +166,14 @@ def sp_rank_child(preset: str, seq_len: int, sp: int, out: str) -> None:
 
 def sp_case(case: str, env: dict[str, str], tmp: str) -> list[dict[str, Any]]:
     """Rows of one --sp case: 1 rank SP=1 and 2 ranks SP=2 through the launcher, per rank."""
-    from bench.common import free_port
+    from training.launch import launch_command
 
     preset, _, seq = case.partition(":")
     runtime_heap = memory_child(preset, seq, env)["runtime_heap_GB"]
     rows: list[dict[str, Any]] = []
     for sp in (1, 2):
         out = os.path.join(tmp, f"{preset}_{seq}_sp{sp}")
-        launcher = [str(Path(sys.executable).parent / "deepspeed"), "--no_local_rank", "--num_gpus", str(sp)]
-        cmd = [*launcher, "--master_port", free_port(), __file__, "--sp-rank-child", preset, seq, str(sp), out]
+        cmd = launch_command(["--sp-rank-child", preset, seq, str(sp), out], sp, __file__)
         p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
         if p.returncode != 0:
             raise SystemExit(f"--sp {case} SP={sp} failed: {p.stderr.strip().splitlines()[-1:]}")

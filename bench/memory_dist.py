@@ -112,7 +112,8 @@ def main() -> None:
         return
     import tempfile
 
-    from bench.common import free_port, print_table, write_json
+    from bench.common import print_table, write_json
+    from training.launch import launch_command
 
     env = dict(
         os.environ,
@@ -129,14 +130,7 @@ def main() -> None:
             rt = runtime_heap(preset, int(seq), env)
             for layout in a.layouts:
                 out = os.path.join(d, f"{preset}_{seq}_{layout}")
-                cmd = [
-                    str(Path(sys.executable).parent / "deepspeed"),
-                    "--no_local_rank",
-                    "--num_gpus",
-                    "2",
-                    "--master_port",
-                    free_port(),
-                    __file__,
+                args = [
                     "--rank-child",
                     preset,
                     seq,
@@ -144,6 +138,7 @@ def main() -> None:
                     out,
                     *(["--overrides", *a.overrides] if a.overrides else []),
                 ]
+                cmd = launch_command(args, 2, __file__)
                 p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
                 if p.returncode != 0:
                     raise SystemExit(f"{case} {layout} failed:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")

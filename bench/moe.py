@@ -47,6 +47,7 @@ from model.ffn import SiTUGLU
 from model.moe.dispatch import LocalDispatcher
 from model.moe.experts import LatentExperts, grouped_forward
 from model.moe.router import select_experts
+from training.launch import free_port
 
 
 # --- DeepSpeed set-up -------------------------------------------------------------------------------------------
@@ -54,7 +55,7 @@ def init_deepspeed_single_process() -> None:
     """A 1-process gloo group, without building DeepSpeed's shm comm op (see shared/notes/DEEPSPEED_ON_CPU.md)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")

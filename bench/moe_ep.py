@@ -151,9 +151,9 @@ def main(argv: list[str] | None = None) -> None:
     if "RANK" in os.environ:
         _worker(a.quick, reps)
         return
-    from bench.common import free_port
+    from training.launch import free_port
 
-    port = free_port()
+    port = str(free_port())
     root = Path(__file__).resolve().parents[1]
     procs = []
     for r in range(2):

@@ -72,7 +72,7 @@ def make_checkpoint(path: Path) -> int:
 
 
 def run(tmp: Path, name: str, nproc: int, overrides: list[str]) -> list[dict]:
-    from bench.common import free_port
+    from training.launch import free_port, launch_command
 
     out = tmp / name
     env = dict(
@@ -85,19 +85,11 @@ def run(tmp: Path, name: str, nproc: int, overrides: list[str]) -> list[dict]:
     )
     args = [__file__, "--worker", str(out), f"run_dir={tmp / (name + '_run')}", *overrides]
     if nproc == 1:
-        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
+        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         cmd = [sys.executable, *args]
     else:
         env.pop("RANK", None)
-        cmd = [
-            str(Path(sys.executable).parent / "deepspeed"),
-            "--no_local_rank",
-            "--num_gpus",
-            str(nproc),
-            "--master_port",
-            free_port(),
-            *args,
-        ]
+        cmd = launch_command(args[1:], nproc, args[0])
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if p.returncode != 0:
         raise SystemExit(f"{name} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")

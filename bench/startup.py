@@ -29,6 +29,8 @@ import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
+from training.launch import free_port  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 OVERRIDES = ["experiment=smoke", "train.steps=1", "logging=disabled", "checkpoint.save_final=false"]
 ONE_PROCESS = ["parallel=dp"]  # the smoke job is EP=2 over 2 ranks; one process runs it with EP=1
@@ -90,7 +92,7 @@ def _env(cache: str) -> dict[str, str]:
         WANDB_MODE="disabled",
         HF_DATASETS_OFFLINE="1",
         OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-        MASTER_PORT=os.environ.get("MASTER_PORT", "29631"),
+        MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()),
     )
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(k, None)

@@ -7,8 +7,6 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 HOSTFILE="${HOSTFILE:-launch/hostfile.example}"
 GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
-MASTER_ADDR="${MASTER_ADDR:-$(head -n1 "$HOSTFILE" | awk '{print $1}')}"
-MASTER_PORT="${MASTER_PORT:-29500}"
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
-exec "$ROOT/.venv/bin/deepspeed" --no_local_rank --hostfile "$HOSTFILE" --num_gpus "$GPUS_PER_NODE" \
-  --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" training/train.py "$@"
+# MASTER_ADDR defaults to the hostfile's first host, MASTER_PORT to a port free there (training/launch.py)
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}" HOSTFILE NUM_RANKS="$GPUS_PER_NODE"
+exec "$ROOT/.venv/bin/python" -m training.launch "$@"

@@ -10,7 +10,5 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export WANDB_MODE="${WANDB_MODE:-offline}"
 export HF_DATASETS_OFFLINE="${HF_DATASETS_OFFLINE:-1}"
 export PATH="$ROOT/.venv/bin:$PATH"
-NUM_RANKS="${NUM_RANKS:-2}"
-# a free port unless one is given (29500, the default, is often taken by another job on a shared machine)
-MASTER_PORT="${MASTER_PORT:-$(python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
-exec deepspeed --no_local_rank --num_gpus "$NUM_RANKS" --master_port "$MASTER_PORT" training/train.py experiment=smoke "$@"
+# NUM_RANKS (default 2) ranks; a free master port unless MASTER_PORT names one (training/launch.py)
+exec python -m training.launch experiment=smoke "$@"

@@ -58,10 +58,9 @@ def ep2_ref():
 # --- Two pytest-xdist workers (pyproject addopts: -n 2 --dist loadfile --no-loadscope-reorder) --------------------
 # Each worker is a pytest session of its own: a session fixture runs once on every worker that needs it, a module
 # fixture once on every worker that runs a test of its module. So a worker takes a whole unit at a time: a test file,
-# or one of these sets of files (a session fixture they share runs once; fault/test_sweep.py launches with the
-# deepspeed launcher's default master port 29500, as two documented commands do: never at the same time).
+# or one of these sets of files (a session fixture they share runs once). Every launch picks a free master port
+# (training/launch.py), so no two units need to wait for each other.
 SHARED = {
-    "default-master-port": ("test_documented_commands.py", "fault/test_sweep.py"),
     "ep2_ref": ("distributed/test_expert_parallel_train.py", "fault/test_kill.py"),
     "ref_run": ("distributed/test_zero.py", "distributed/test_resume.py", "distributed/test_layouts.py"),
     "base_run": ("fault/test_run_identity.py", "fault/test_untrusted.py", "fault/test_data_faults.py"),
@@ -71,12 +70,14 @@ SHARED = {
 # Units start in this order, the longest first (seconds on an idle 2-core machine, run alone), so the two workers
 # end together: a unit not listed starts after these, in collection order (all of them are short).
 FIRST = (
-    "default-master-port",  # 240 + 40
+    "test_documented_commands.py",  # 240
     "distributed/test_zero3_ep.py",  # 145
     "ep2_ref",  # 90 + 40
     "ref_run",  # 60 + 45 + 30
     "distributed/test_sequence_parallel.py",  # 95
     "base_run",  # 25 + 30 + 15
+    "distributed/test_launch.py",  # 55
+    "fault/test_sweep.py",  # 40
     "distributed/test_expert_parallel_engine.py",  # 25
     "training/test_entry_points.py",  # 30
     "training/test_sft.py",  # 25

@@ -91,7 +91,7 @@ def tiny(cmd: str, tmp: Path) -> str:
     cmd = cmd.replace("out=/tmp/", f"out={tmp}/").replace("plan.out=", f"plan.out={tmp}/")
     if "launch/sweep.sh" in cmd:  # a multirun: every job into its own directory under run_dir
         return cmd + f" run_dir={tmp}/runs/sweep" + TRAIN
-    if re.search(r"training\.train\b|training/train\.py|launch/smoke\.sh|k3-train", cmd):
+    if re.search(r"training\.train\b|training\.launch\b|training/train\.py|launch/smoke\.sh|k3-train", cmd):
         if "run_dir=" not in cmd:  # where the job writes as documented: runs/<experiment name> (smoke.sh: smoke)
             m = re.search(r"experiment=(\w+)", cmd)
             cmd += f" run_dir={tmp}/runs/{m.group(1) if m else 'smoke' if 'smoke.sh' in cmd else 'default'}"
@@ -148,13 +148,10 @@ WORKERS = 2
 
 def shared(line: str, tmp: Path) -> set[str]:
     """What a tiny command shares with other commands: the paths under `tmp` it names (a run dir, an export, a
-    tokenizer; by their first part below tmp/runs/ or tmp/), a bench's results file (one per bench module),
-    deepspeed's default master port (a launch without --master_port: the README's `deepspeed` line and each job of
-    launch/sweep.sh) and the checkout's virtualenv (make)."""
+    tokenizer; by their first part below tmp/runs/ or tmp/), a bench's results file (one per bench module) and the
+    checkout's virtualenv (make). Not a master port: every launch picks a free one (training/launch.py)."""
     keys = set(re.findall(rf"{re.escape(str(tmp))}/((?:runs/)?[^/\s\"']+)", line))
     keys.update(re.findall(r"-m (bench\.\w+)", line))
-    if "launch/sweep.sh" in line or (re.search(r"(^|\s)deepspeed\s", line) and "--master_port" not in line):
-        keys.add("deepspeed's default master port")
     if line.startswith("make "):
         keys.add(".venv")
     return keys
@@ -183,11 +180,11 @@ def test_commands_sharing_a_path_keep_their_document_order():
         tiny("python -m training.train experiment=sft_tiny model.init_from=runs/sft_tiny_base-hf", tmp),
         tiny("python -m bench.memory", tmp),
         tiny("python -m bench.memory --sp tiny:4096", tmp),
-        tiny("deepspeed --no_local_rank --num_gpus 2 training/train.py experiment=smoke run_dir=runs/z3", tmp),
+        tiny("python -m training.launch experiment=smoke run_dir=runs/z3", tmp),
         tiny("launch/sweep.sh", tmp),
         tiny("python -m training.plan model=k3 plan.out=k3_plan.json", tmp),
     ]
-    assert after(lines, tmp) == [set(), {0}, set(), {2}, {3}, set(), {5}, set(), {7}, set()]
+    assert after(lines, tmp) == [set(), {0}, set(), {2}, {3}, set(), {5}, set(), set(), set()]
 
 
 def run_concurrently(lines: list[str], tmp: Path) -> list[subprocess.CompletedProcess]:

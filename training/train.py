@@ -1,7 +1,7 @@
 """Training entry point: compose -> validate -> Trainer(cfg).run().
 
     python -m training.train experiment=smoke train.steps=50            # one process (1-rank gloo group)
-    deepspeed --no_local_rank --num_gpus 2 training/train.py experiment=smoke
+    python -m training.launch experiment=smoke                           # 2 ranks, deepspeed launcher, free port
     k3-train experiment=smoke                                            # the console entry point
 
 Every rank composes the same config and writes into the same `run_dir`. A bad config exits with one line on
@@ -30,6 +30,7 @@ from training.checkpoint import CheckpointError, preflight, settle
 from training.config import CONF_DIR, TrainConfigError, resolve_run_dir, validate
 from training.distributed import env_world
 from training.guard import TooManyBadSteps
+from training.launch import launch_command
 from training.rundir import RunDirError, archive_previous_run, check_run_dir, checkpoint_bytes_estimate, lock_run_dir
 
 
@@ -67,10 +68,8 @@ def launch_sweep_job(cfg: DictConfig) -> None:
     overrides = [o for o in hc.overrides.task if not o.startswith(("launcher.", "hydra."))]
     job_dir = sweep_job_dir(cfg.name, overrides, cfg.run_dir)
     overrides = [o for o in overrides if not o.startswith("run_dir=")] + [f"run_dir={job_dir}"]
-    cmd = ["deepspeed", "--no_local_rank", "--num_gpus", str(cfg.launcher.num_gpus)]
-    if cfg.launcher.hostfile:
-        cmd += ["--hostfile", cfg.launcher.hostfile]
-    cmd += [os.path.abspath(__file__), *overrides]
+    # each job on a master port of its own (training/launch.py): jobs of two sweeps, or a sweep and a test, never meet
+    cmd = launch_command(overrides, cfg.launcher.num_gpus, os.path.abspath(__file__), cfg.launcher.hostfile or None)
     print("sweep job:", " ".join(cmd), flush=True)
     rc = subprocess.call(cmd)
     if rc != 0:

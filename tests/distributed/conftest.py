@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -16,14 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from training.launch import launch_command
+
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -85,16 +80,7 @@ def run_training(
     if any(k.startswith("K3_FAULT_") for k in (env or {})):
         args.append("callbacks=[tests.fault.injector.FaultInjector]")
     if launcher:
-        cmd = [
-            str(BIN / "deepspeed"),
-            "--no_local_rank",
-            "--num_gpus",
-            str(nproc),
-            "--master_port",
-            str(free_port()),
-            script,
-            *args,
-        ]
+        cmd = launch_command(args, nproc, script)  # a free master port: tests never meet another job's ranks
     else:
         cmd = [sys.executable, "-m", "training.train", *args]
     p = subprocess.run(cmd, cwd=REPO, env=job_env(env), capture_output=True, text=True, timeout=timeout)

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import glob
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from training.launch import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -25,15 +26,9 @@ REPO = Path(__file__).resolve().parents[2]
 STEPS = 6
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _start(out: Path, nproc: int, *args: str) -> list[subprocess.Popen]:
     out.mkdir(parents=True, exist_ok=True)
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for r in range(nproc):
         env = dict(

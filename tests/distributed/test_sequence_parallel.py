@@ -19,7 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.distributed.conftest import BIN, REPO, TINY, RunResult, free_port, job_env, must_succeed, run_training
+from tests.distributed.conftest import REPO, TINY, RunResult, job_env, must_succeed, run_training
+from training.launch import launch_command
 
 pytestmark = pytest.mark.distributed
 STEPS, EVERY, KILL_AT, SEQ = 8, 4, 6, 1024
@@ -113,8 +114,8 @@ def test_sp2_kill_and_resume_give_the_uninterrupted_losses_bitwise(jobs):
 def test_the_model_seam_matches_the_whole_sequence_in_float64(tmp_path):
     """2 ranks, 256 tokens as documents 37, 100, 3, 61, 55 (one spans the shard edge at 128)."""
     out = tmp_path / "diffs.json"
-    cmd = [str(BIN / "deepspeed"), "--no_local_rank", "--num_gpus", "2", "--master_port", str(free_port())]
-    cmd += ["tests/distributed/sequence_shard_worker.py", str(out), "256", "37,100,3,61,55"]
+    args = [str(out), "256", "37,100,3,61,55"]
+    cmd = launch_command(args, 2, "tests/distributed/sequence_shard_worker.py")
     p = subprocess.run(cmd, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     d = json.loads(out.read_text())

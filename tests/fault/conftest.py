@@ -226,19 +226,10 @@ def run_and_kill_launcher(
     import subprocess
     import time
 
-    from tests.distributed.conftest import BIN, REPO, free_port, job_env
+    from tests.distributed.conftest import REPO, job_env
+    from training.launch import launch_command
 
-    cmd = [
-        str(BIN / "deepspeed"),
-        "--no_local_rank",
-        "--num_gpus",
-        str(nproc),
-        "--master_port",
-        str(free_port()),
-        "training/train.py",
-        f"run_dir={run_dir}",
-        *overrides,
-    ]
+    cmd = launch_command([f"run_dir={run_dir}", *overrides], nproc, "training/train.py")
     p = subprocess.Popen(
         cmd, cwd=REPO, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )

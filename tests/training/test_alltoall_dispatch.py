@@ -6,7 +6,6 @@ One 2-process run (module fixture) covers every routing case; each test checks o
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,21 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from training.launch import free_port
+
 WORKER = Path(__file__).with_name("ep_dispatch_worker.py")
 REPO = Path(__file__).resolve().parents[2]
 FP64_CASES = ["random_fp64", "skewed_fp64", "empty_rank_fp64", "empty_experts_fp64", "no_tokens_on_rank1_fp64"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("a2a")
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for r in range(2):
         env = dict(

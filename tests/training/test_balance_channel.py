@@ -4,7 +4,6 @@ balancers then set exactly the bias one process computes for the whole global ba
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from model.moe.layer import RouterStats
 from model.moe.router import Router, select_experts
 from training.balance import StepRouting, counts_LE
 from training.distributed import DistStatsReducer
+from training.launch import free_port
 
 E, K, LAYERS = 8, 2, 2
 
@@ -56,12 +56,6 @@ class _Local:
         return t
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, port: int, estimator: str, out: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -75,7 +69,7 @@ def _worker(rank: int, port: int, estimator: str, out: dict) -> None:
 
 @pytest.mark.parametrize("estimator", ["exact", "histogram"])
 def test_two_rank_reduced_statistics_give_the_one_process_bias_and_counts(estimator):
-    port = _free_port()
+    port = free_port()
     with mp.Manager() as m:
         out = m.dict()
         mp.start_processes(_worker, args=(port, estimator, out), nprocs=2, start_method="fork")

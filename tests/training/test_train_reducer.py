@@ -3,20 +3,14 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from training.distributed import DistStatsReducer
+from training.launch import free_port
 from training.step import pack_microbatch
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, out: dict) -> None:
@@ -34,7 +28,7 @@ def _worker(rank: int, world: int, port: int, out: dict) -> None:
 
 
 def test_dist_stats_reducer_sum_and_variable_length_cat():
-    port = _free_port()
+    port = free_port()
     with mp.Manager() as m:
         out = m.dict()
         mp.start_processes(_worker, args=(2, port, out), nprocs=2, start_method="fork")
