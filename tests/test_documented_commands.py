@@ -22,8 +22,9 @@ COMMAND = re.compile(
     rf"^{_ENV}(?:(?:\.venv/bin/)?python -m |deepspeed |launch/\S+\.sh|make |(?:\.venv/bin/)?k3-"
     r"|bench/gpu\.sh|sbatch )"
 )
-# a form with placeholders (<run_dir>, ..., [--quick], a / b), not a command; `<|open|>` is a K3 marker, not one
-TEMPLATE = re.compile(r"<(?!\|)[^>]*>|\.\.\.|\[[^\]]*\]|\s/\s")
+# a form with placeholders (<run_dir>, ..., [--quick], a / b, a glob launch/*.sh), not a command; `<|open|>` is a K3
+# marker, not one
+TEMPLATE = re.compile(r"<(?!\|)[^>]*>|\.\.\.|\[[^\]]*\]|\s/\s|/\*")
 
 # Commands that cannot run here, and why (each is exercised in another way where possible).
 EXEMPT = {
