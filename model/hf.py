@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 
 from model.config import K3Config, a_log_storage_len
 from model.k3 import K3ForCausalLM
+from model.meta import on_meta
 from model.mxfp4 import dequantize_mxfp4
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
@@ -253,7 +254,7 @@ def load_hf_checkpoint(
     config = K3Config.from_hf_config(path)
     if config_overrides:
         config = config.replace(**config_overrides)
-    with torch.device("meta"):
+    with on_meta():
         meta = K3ForCausalLM(config)
     state, unknown, missing = to_model_state(read_hf_state(path), meta.state_dict(), dtype)
     if strict and (unknown or missing):

@@ -10,16 +10,15 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-import torch
-
 from model.config import K3Config
+from model.meta import on_meta
 
 
 def build_meta(config: K3Config):
     """`K3ForCausalLM(config)` on the meta device."""
     from model.k3 import K3ForCausalLM  # local import: model.k3 pulls in every mixer
 
-    with torch.device("meta"):
+    with on_meta():
         return K3ForCausalLM(config)
 
 

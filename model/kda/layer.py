@@ -131,6 +131,8 @@ class KDA(nn.Module):
                     nn.init.zeros_(m.bias)
         for conv in (self.q_conv1d, self.k_conv1d, self.v_conv1d):
             conv.reset_parameters()
+        if self.A_log.is_meta:  # shapes only (model/meta.py): no values to fill, and meta maths imports dynamo
+            return
         if self.gate_lower_bound is not None:
             self.A_log.zero_()
         else:

@@ -28,16 +28,12 @@ from torch import nn
 
 from model import K3Config, K3ForCausalLM
 from model.hf import HFReader, target_dtype
+from model.params import build_meta
 
 
 def module_seed(seed: int, name: str) -> int:
     """Process-independent seed for module `name` (Python's hash() is salted per process)."""
     return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
-
-
-def build_meta(config: K3Config) -> K3ForCausalLM:
-    with torch.device("meta"):
-        return K3ForCausalLM(config)
 
 
 def units(model: K3ForCausalLM) -> list[list[tuple[str, nn.Module]]]:
