@@ -137,7 +137,7 @@ class VisionConfig:
 
 def small_vision(text_hidden_size: int, **overrides: Any) -> VisionConfig:
     """The tiny/small presets' tower: 2 blocks, width 64, 4 heads of 16, an 8 x 8 position table."""
-    base = dict(
+    base: dict[str, Any] = dict(
         init_pos_emb_height=8,
         init_pos_emb_width=8,
         vt_num_attention_heads=4,

@@ -23,6 +23,7 @@ class K3ForConditionalGeneration(nn.Module):
         if config.vision_config is None:
             raise ValueError("K3ForConditionalGeneration needs config.vision_config; use K3ForCausalLM for text only")
         self.config = config
+        self.media_id: int = int(config.media_placeholder_token_id or 0)  # set whenever vision is (K3Config checks)
         self.vision_tower = MoonViT(config.vision_config)
         self.mm_projector = PatchMergerV2(config.vision_config)
         self.language_model = K3ForCausalLM(config)
@@ -57,12 +58,12 @@ class K3ForConditionalGeneration(nn.Module):
     ) -> torch.Tensor:
         """Token embeddings [B, T, d] with the image features at the `<|media_pad|>` positions, row-major."""
         embeds = self.language_model.model.embed_tokens(input_ids)
-        slots = input_ids == self.config.media_placeholder_token_id
+        slots = input_ids.eq(self.media_id)
         n_slots = int(slots.sum())
         if pixel_values is None:
             if n_slots:
                 raise ValueError(
-                    f"input_ids hold {n_slots} <|media_pad|> tokens (id {self.config.media_placeholder_token_id}) "
+                    f"input_ids hold {n_slots} <|media_pad|> tokens (id {self.media_id}) "
                     "but no pixel_values were given; pass the images (pixel_values, grid_thws)"
                 )
             return embeds

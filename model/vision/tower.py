@@ -210,6 +210,7 @@ class PatchMergerV2(nn.Module):
 
     def reset_parameters(self) -> None:
         for lin in (self.proj[0], self.proj[2]):
+            assert isinstance(lin, nn.Linear)
             nn.init.normal_(lin.weight, std=0.02)
         self.post_norm.reset_parameters()
 
