@@ -137,6 +137,32 @@ def test_rope2d_attention_equals_a_per_patch_loop():
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
+def _bilinear_loop(table_HWD: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """align_corners=False bilinear resampling, one output cell at a time (edge samples clamp)."""
+    H, W, _ = table_HWD.shape
+
+    def taps(i: int, n_out: int, n_in: int) -> tuple[int, int, float]:
+        src = max((i + 0.5) * n_in / n_out - 0.5, 0.0)
+        lo = min(int(math.floor(src)), n_in - 1)
+        return lo, min(lo + 1, n_in - 1), src - lo
+
+    rows = []
+    for r in range(h):
+        r0, r1, fr = taps(r, h, H)
+        for c in range(w):
+            c0, c1, fc = taps(c, w, W)
+            top = table_HWD[r0, c0] * (1 - fc) + table_HWD[r0, c1] * fc
+            bottom = table_HWD[r1, c0] * (1 - fc) + table_HWD[r1, c1] * fc
+            rows.append(top * (1 - fr) + bottom * fr)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("size", [(4, 4), (2, 6), (6, 10), (3, 1)])
+def test_position_table_is_bilinearly_resampled_to_each_grid(size):
+    pos = _tower().patch_embed.pos_emb
+    torch.testing.assert_close(pos.grid(*size), _bilinear_loop(pos.weight, *size), rtol=0, atol=1e-12)
+
+
 def test_merge_concatenates_each_2x2_block_row_major():
     idx = torch.arange(2 * 4, dtype=torch.float64)[:, None]  # patch index as its feature, one 2 x 4 image
     merged = merge_patches(idx, [(2, 4)], [2, 2])
