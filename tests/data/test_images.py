@@ -140,7 +140,10 @@ def test_no_position_of_an_image_block_carries_loss(tik, loss_on):
     assert mask[~inside].any()  # the assistant's answer (and, under loss_on=all, the user text) still learns
     assert int((ids == pad).sum()) == sum(im.num_tokens for im in conversation_images(msgs))
     px, grid = batch_images(conversation_images(msgs))
-    assert px.shape[0] == int(grid[:, 1:].prod(-1).sum()) and grid.tolist() == [[1, 4, 4], [1, 6, 2]]  # 60x60 -> 56x56; 40x90 -> 28x84
+    assert px.shape[0] == int(grid[:, 1:].prod(-1).sum()) and grid.tolist() == [
+        [1, 4, 4],
+        [1, 6, 2],
+    ]  # 60x60 -> 56x56; 40x90 -> 28x84
 
 
 def test_image_parts_without_a_tower_or_with_a_bad_image_skip_the_row(tmp_path):
