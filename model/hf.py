@@ -318,9 +318,9 @@ def load_hf_checkpoint(
         config = config.text_only()
     hf_state = read_hf_state(path, vision=True)
     n_vision = sum(k.startswith(VISION_PREFIXES) for k in hf_state)
-    if n_vision and config.vision_config is None and had_vision:  # an explicit choice: drop them, visibly
+    if n_vision and config.vision_config is None and (had_vision or text_only):  # explicit: drop them, visibly
         log.warning(
-            f"load_hf_checkpoint: text-only config for the multimodal checkpoint {path}: "
+            f"load_hf_checkpoint: text-only model from the multimodal checkpoint {path}: "
             f"dropping its {n_vision} vision tensors (vision_tower.*, mm_projector.*)"
         )
         hf_state = {k: t for k, t in hf_state.items() if not k.startswith(VISION_PREFIXES)}

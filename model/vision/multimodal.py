@@ -95,6 +95,8 @@ class K3ForConditionalGeneration(nn.Module):
         embeds = self.language_model.model.embed_tokens(input_ids) if decoding else None
         if embeds is None:
             embeds = self.embed(input_ids, pixel_values, grid_thws)
+        if labels is not None:  # an image position is never a target, whatever the labels say
+            labels = labels.masked_fill(input_ids == self.media_id, -100)
         return self.language_model(
             input_ids, labels=labels, cu_seqlens=cu_seqlens, cache=cache, targets=targets, inputs_embeds=embeds
         )

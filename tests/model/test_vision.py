@@ -242,3 +242,11 @@ def test_the_text_model_inside_is_k3_for_causal_lm_and_gets_gradients_through_th
     m(ids, px, grid, labels=ids.masked_fill(ids == MEDIA, -100)).loss.backward()
     assert m.vision_tower.patch_embed.proj.weight.grad.abs().sum() > 0
     assert m.mm_projector.proj[0].weight.grad.abs().sum() > 0
+
+
+def test_image_positions_are_never_targets():
+    m = _mm()
+    px, grid = images([(2, 4)])
+    ids = _prompt([2])
+    masked = m(ids, px, grid, labels=ids.masked_fill(ids == MEDIA, -100)).loss
+    torch.testing.assert_close(m(ids, px, grid, labels=ids).loss, masked, rtol=0, atol=0)
