@@ -77,7 +77,7 @@ FIRST = (
     "ref_run",  # 60 + 45 + 30
     "distributed/test_sequence_parallel.py",  # 95
     "base_run",  # 25 + 30 + 15
-    "training/test_freeze.py",  # 42 (one 1-process run)
+    "training/test_freeze.py",  # 20-40 (one 1-process run)
     "distributed/test_expert_parallel_engine.py",  # 25
     "training/test_entry_points.py",  # 30
     "training/test_sft.py",  # 25
