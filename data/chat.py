@@ -1,7 +1,9 @@
 """Conversations -> token ids + loss mask, in K3's released format or a checkpoint's own chat template.
 
 A conversation is `[{"role": "system"|"user"|"assistant", "content": str, "name"?: str}, ...]` (the OpenAI/HF
-convention; content may also be a list of `{"type": "text", "text": ...}` parts). Rendering produces segments
+convention; content may also be a list of `{"type": "text", "text": ...}` and, given the tower's `ImageRules`,
+`{"type": "image", "image": ...}` parts: data/images.py decodes and resizes each image, K3Renderer writes its
+placeholder block, and no position of that block ever carries loss). Rendering produces segments
 `(text, control, loss)`: control segments are one special token each (looked up by name), every other segment
 is encoded as ordinary text, so message text that spells a marker (`<|open|>` ...) stays plain text and can never
 inject one. `loss` marks what the model learns under `loss_on=assistant`: everything an assistant turn produces
@@ -30,10 +32,21 @@ from typing import Any, Optional
 import numpy as np
 
 from data.config import DataError
+from data.images import (
+    IMAGE_SKIP_REASONS,
+    MEDIA_BEGIN,
+    MEDIA_CONTENT,
+    MEDIA_END,
+    MEDIA_PAD,
+    ImageError,
+    ImageRules,
+    PreparedImage,
+    prepare_image,
+)
 from data.k3_format import CLOSE, END_OF_MSG, MARKERS, OPEN, SEP
 
 ROLES = ("system", "user", "assistant")
-CHAT_SKIP_REASONS = ("no_messages", "bad_message", "unknown_role", "template_error")
+CHAT_SKIP_REASONS = ("no_messages", "bad_message", "unknown_role", "template_error", *IMAGE_SKIP_REASONS)
 Segment = tuple[str, bool, bool]  # (text, control token, carries loss under loss_on=assistant)
 
 
@@ -45,8 +58,27 @@ class ChatRowError(Exception):
         self.kind = kind
 
 
-def normalize_messages(obj: Any) -> list[dict]:
-    """Validate a conversation; returns messages with string content (text parts joined). Raises ChatRowError."""
+def _parts(content: list, images: ImageRules | None) -> list[tuple[str, Any]]:
+    """[("text", str) | ("image", PreparedImage)] of a content list; ChatRowError for a bad part or image."""
+    out: list[tuple[str, Any]] = []
+    for p in content:
+        if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str):
+            out.append(("text", p["text"]))
+        elif isinstance(p, dict) and p.get("type") == "image":
+            if images is None:
+                raise ChatRowError("bad_message", "an image part, but the model has no vision tower")
+            try:
+                out.append(("image", prepare_image(p.get("image"), images)))
+            except ImageError as e:
+                raise ChatRowError(e.kind, str(e)) from None
+        else:
+            raise ChatRowError("bad_message", "content parts must be {type: text, text: str} or {type: image, image}")
+    return out
+
+
+def normalize_messages(obj: Any, images: ImageRules | None = None) -> list[dict]:
+    """Validate a conversation; returns messages with string content (text parts joined) and, where it has images
+    (decoded with `images`' rules), `parts` in order. Raises ChatRowError."""
     if not isinstance(obj, list) or not obj:
         raise ChatRowError("no_messages", "messages is missing, empty or not a list")
     out = []
@@ -55,16 +87,15 @@ def normalize_messages(obj: Any) -> list[dict]:
             raise ChatRowError("bad_message", "a message without role or content")
         if m["role"] not in ROLES:
             raise ChatRowError("unknown_role", f"role {m['role']!r} is not one of {ROLES}")
-        content = m["content"]
+        content, parts = m["content"], None
         if isinstance(content, list):
-            if not all(
-                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
-            ):
-                raise ChatRowError("bad_message", "content parts must be {type: text, text: str}")
-            content = "".join(p["text"] for p in content)
+            parts = _parts(content, images)
+            content = "".join(v for k, v in parts if k == "text")
         if not isinstance(content, str):
             raise ChatRowError("bad_message", "content is not text")
-        msg = {"role": m["role"], "content": content}
+        msg: dict[str, Any] = {"role": m["role"], "content": content}
+        if parts is not None and any(k == "image" for k, _ in parts):
+            msg["parts"] = parts
         for k in ("name", "reasoning_content"):
             if isinstance(m.get(k), str) and m[k]:
                 msg[k] = m[k]
@@ -72,10 +103,31 @@ def normalize_messages(obj: Any) -> list[dict]:
     return out
 
 
+def conversation_images(messages: list[dict]) -> list[PreparedImage]:
+    """The images of a normalised conversation, in order (their features fill the placeholders in this order)."""
+    return [v for m in messages for k, v in m.get("parts", ()) if k == "image"]
+
+
 # -- K3 ---------------------------------------------------------------------------------------------------------
 def _text(out: list[Segment], text: str, loss: bool = False) -> None:
     if text:
         out.append((text, False, loss))
+
+
+def _content(out: list[Segment], m: dict, loss: bool) -> None:
+    """A message's content: its text, or its parts with each image as its placeholder block (never loss)."""
+    if "parts" not in m:
+        _text(out, m["content"], loss)
+        return
+    for kind, value in m["parts"]:
+        if kind == "text":
+            _text(out, value, loss)
+            continue
+        out.append((MEDIA_BEGIN, True, False))
+        _text(out, f"image {value.size[0]}x{value.size[1]}")
+        out.append((MEDIA_CONTENT, True, False))
+        out.extend([(MEDIA_PAD, True, False)] * value.num_tokens)
+        out.append((MEDIA_END, True, False))
 
 
 def _open(out: list[Segment], tag: str, attrs: Sequence[tuple[str, str]] = (), loss: bool = False) -> None:
@@ -115,12 +167,12 @@ class K3Renderer:
                     _open(out, "response", loss=True)
                 else:
                     _open(out, "response")
-                _text(out, m["content"], True)
+                _content(out, m, True)
                 _close(out, "response", True)
                 _close(out, "message", True)
                 out.append((END_OF_MSG, True, True))
             else:
-                _text(out, m["content"])
+                _content(out, m, False)
                 _close(out, "message")
                 out.append((END_OF_MSG, True, False))
         if add_generation_prompt:
@@ -187,6 +239,8 @@ class TemplateRenderer:
         _text(out, text[pos:], loss)
 
     def render(self, messages: list[dict]) -> list[Segment]:
+        if conversation_images(messages):
+            raise ChatRowError("template_error", "images need the K3 format (a tokenizer with K3's markers)")
         ph = [dict(m, content=_PH.format(i)) for i, m in enumerate(messages)]
         full = self.text(ph)
         spans = []
@@ -246,6 +300,7 @@ def encode_conversations(
     for conv in conversations:
         ids: list[int] = []
         mask: list[bool] = []
+        in_media = False  # inside <|media_begin|> ... <|media_end|>: never loss, whatever loss_on says
         for s, control, loss in conv:
             if control:
                 tid = tokenizer.token_to_id(s)
@@ -257,7 +312,9 @@ def encode_conversations(
                 piece = [tid]
             else:
                 piece = next(encoded)
+            in_media = in_media or (control and s == MEDIA_BEGIN)
             ids.extend(piece)
-            mask.extend([loss or loss_on == "all"] * len(piece))
+            mask.extend([(loss or loss_on == "all") and not in_media] * len(piece))
+            in_media = in_media and not (control and s == MEDIA_END)
         out.append((np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=bool)))
     return out

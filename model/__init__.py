@@ -1,6 +1,7 @@
 """k3-train model package: the K3 network in pure PyTorch.
 
-Public API: `K3Config`, `K3ForCausalLM`, `load_hf_checkpoint`, `save_hf_checkpoint`, `count_params`.
+Public API: `K3Config`, `K3ForCausalLM`, `K3ForConditionalGeneration` (with images), `build_model`,
+`load_hf_checkpoint`, `save_hf_checkpoint`, `count_params`, `count_vision_params`.
 The heavy submodules are imported lazily so `import model.config` stays cheap and independent of the mixers.
 """
 
@@ -16,11 +17,15 @@ _LAZY = {
     "K3Model": "model.k3",
     "K3Output": "model.k3",
     "K3Cache": "model.k3",
+    "K3ForConditionalGeneration": "model.vision.multimodal",
+    "build_model": "model.hf",
+    "VisionConfig": "model.vision.config",
     "load_hf_checkpoint": "model.hf",
     "save_hf_checkpoint": "model.hf",
     "cast_model": "model.hf",
     "CheckpointError": "model.hf",
     "count_params": "model.params",
+    "count_vision_params": "model.params",
     "param_breakdown": "model.params",
     "generate": "model.generate",
 }

@@ -16,6 +16,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
+from model.presets import _PRESETS, K3_MEDIA_PLACEHOLDER_TOKEN_ID, VISION_BY_DEFAULT, k3_schedule, preset_vision
+from model.presets import preset_names as preset_names
+from model.vision.config import VisionConfig, VisionConfigError
+
 BalanceMode = Literal["quantile", "sign", "aux", "none"]  # the one list of balancing modes (training's Enum too)
 BalanceEstimator = Literal["exact", "histogram"]
 
@@ -32,13 +36,6 @@ _LINEAR_ATTN_KEYS = (
 
 class ConfigError(ValueError):
     """A model configuration that cannot be built; the message names the key and the fix."""
-
-
-def k3_schedule(num_layers: int) -> tuple[list[int], list[int]]:
-    """(kda_layers, full_attn_layers), 1-indexed: MLA iff l % 4 == 0 or l == L (docs/model.md §1), KDA otherwise."""
-    mla = [l for l in range(1, num_layers + 1) if l % 4 == 0 or l == num_layers]
-    kda = [l for l in range(1, num_layers + 1) if l not in mla]
-    return kda, mla
 
 
 @dataclass
@@ -97,8 +94,16 @@ class K3Config:
     moe_balance_bins: int = 1000
     moe_sign_update_rate: float = 1e-3  # DeepSeek-V3 gamma
     moe_aux_loss_coef: float = 1e-4  # sequence-wise auxiliary loss coefficient (balance == "aux")
+    # --- vision (the release's top-level keys; None = a text-only model) ----------------------------------------
+    vision_config: VisionConfig | None = None
+    media_placeholder_token_id: int | None = None  # `<|media_pad|>`: where projected image features go
 
     def __post_init__(self) -> None:
+        if isinstance(self.vision_config, dict):
+            try:
+                self.vision_config = VisionConfig.from_dict(self.vision_config)
+            except (VisionConfigError, TypeError) as e:
+                raise ConfigError(str(e)) from None
         lac = dict(self.linear_attn_config or {})
         unknown = set(lac) - set(_LINEAR_ATTN_KEYS)
         if unknown:
@@ -260,14 +265,30 @@ class K3Config:
             ("moe_balance_estimator", get_args(BalanceEstimator)),
         ):
             need(getattr(self, key) in choices, f"{key} must be one of {'|'.join(choices)}, got {getattr(self, key)!r}")
-        for tok in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        for tok in ("bos_token_id", "eos_token_id", "pad_token_id", "media_placeholder_token_id"):
             t = getattr(self, tok)
             need(t is None or 0 <= t < self.vocab_size, f"{tok}={t} is outside the vocabulary [0, {self.vocab_size})")
+        v = self.vision_config
+        if v is not None:
+            need(isinstance(v, VisionConfig), f"vision_config must be a dict or VisionConfig, got {type(v).__name__}")
+            need(
+                self.media_placeholder_token_id is not None,
+                "media_placeholder_token_id is required with vision_config (the `<|media_pad|>` id)",
+            )
+            need(
+                v.text_hidden_size == self.hidden_size,
+                f"vision_config.text_hidden_size ({v.text_hidden_size}) must equal hidden_size ({self.hidden_size})",
+            )
+            try:
+                v.validate()
+            except VisionConfigError as e:
+                raise ConfigError(str(e)) from None
 
     # --- presets ----------------------------------------------------------------------------------------------
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> K3Config:
-        """`tiny` (CPU smoke, ~10M), `small` (one GPU, ~274M), `k3` (the released dims, 2.78T)."""
+        """`tiny` (CPU smoke, ~10M), `small` (one GPU, ~274M), `k3` (the released dims, 2.78T, with the released
+        vision tower). `vision_config=True` gives a preset its tower (tiny/small: a small one), None text-only."""
         if name not in _PRESETS:
             raise ConfigError(f"unknown model preset {name!r}; choose one of {sorted(_PRESETS)}")
         kwargs = copy.deepcopy(_PRESETS[name])
@@ -282,7 +303,14 @@ class K3Config:
             # a changed depth re-derives the schedule
             kwargs["linear_attn_config"].pop("kda_layers", None)
             kwargs["linear_attn_config"].pop("full_attn_layers", None)
+        vision = overrides.pop("vision_config", name in VISION_BY_DEFAULT)
         kwargs.update(overrides)
+        if vision is True:
+            vision = preset_vision(name, kwargs["hidden_size"])
+        if vision not in (None, False):
+            kwargs["vision_config"] = vision
+            default_id = K3_MEDIA_PLACEHOLDER_TOKEN_ID if name == "k3" else kwargs["vocab_size"] - 1
+            kwargs.setdefault("media_placeholder_token_id", default_id)
         return cls(**kwargs)
 
     # --- HF config.json ---------------------------------------------------------------------------------------
@@ -299,10 +327,14 @@ class K3Config:
                 raise ConfigError(f"no config.json at {p}; pass a checkpoint directory or a config.json path")
             with open(p, encoding="utf-8") as f:
                 raw = json.load(f)
+        top = raw
         if isinstance(raw.get("text_config"), dict):
             raw = raw["text_config"]
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = {f.name for f in dataclasses.fields(cls)} - {"vision_config", "media_placeholder_token_id"}
         kwargs = {k: v for k, v in raw.items() if k in names}
+        if isinstance(top.get("vision_config"), dict):  # the release: vision keys sit beside text_config
+            kwargs["vision_config"] = {"text_hidden_size": raw.get("hidden_size"), **top["vision_config"]}
+            kwargs["media_placeholder_token_id"] = top.get("media_placeholder_token_id")
         if isinstance(kwargs.get("linear_attn_config"), dict):
             kwargs["linear_attn_config"] = {
                 k: v for k, v in kwargs["linear_attn_config"].items() if k in _LINEAR_ATTN_KEYS
@@ -314,12 +346,26 @@ class K3Config:
         return cls(**kwargs)
 
     def to_hf_config(self) -> dict[str, Any]:
-        """Flat HF text config (`model_type: kimi_linear`) including the project-only keys."""
+        """Flat HF text config (`model_type: kimi_linear`) including the project-only keys; with vision, the
+        release's nesting: `text_config` beside `vision_config` and `media_placeholder_token_id` (`kimi_k3`)."""
         d = dataclasses.asdict(self)
+        vision, media = d.pop("vision_config"), d.pop("media_placeholder_token_id")
         d["linear_attn_config"] = dict(self.linear_attn_config)
         d["model_type"] = "kimi_linear"
         d["architectures"] = ["KimiLinearForCausalLM"]
-        return d
+        if self.vision_config is None:
+            return d
+        return {
+            "model_type": "kimi_k3",
+            "architectures": ["KimiK3ForConditionalGeneration"],
+            "text_config": d,
+            "vision_config": self.vision_config.to_dict() if vision is not None else None,
+            "media_placeholder_token_id": media,
+        }
+
+    def text_only(self) -> K3Config:
+        """This config without its vision tower (the text model K3ForCausalLM builds)."""
+        return dataclasses.replace(self, vision_config=None, media_placeholder_token_id=None)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write config.json into directory `path` (created if needed)."""
@@ -334,98 +380,6 @@ class K3Config:
             lac = {k: v for k, v in self.linear_attn_config.items() if k not in ("kda_layers", "full_attn_layers")}
             changes["linear_attn_config"] = lac
         return dataclasses.replace(self, **changes)
-
-
-def _k3_released() -> dict[str, Any]:
-    kda, mla = k3_schedule(93)
-    return dict(
-        vocab_size=163_840,
-        hidden_size=7168,
-        num_hidden_layers=93,
-        intermediate_size=33_792,
-        first_k_dense_replace=1,
-        rms_norm_eps=1e-5,
-        bos_token_id=163_584,
-        eos_token_id=163_586,
-        pad_token_id=163_839,
-        linear_attn_config=dict(
-            kda_layers=kda,
-            full_attn_layers=mla,
-            num_heads=96,
-            head_dim=128,
-            short_conv_kernel_size=4,
-            gate_lower_bound=-5.0,
-            use_full_rank_gate=True,
-        ),
-        num_attention_heads=96,
-        num_key_value_heads=96,
-        q_lora_rank=1536,
-        kv_lora_rank=512,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
-        num_experts=896,
-        num_experts_per_token=16,
-        num_shared_experts=2,
-        moe_intermediate_size=3072,
-        routed_expert_hidden_size=3584,
-        routed_scaling_factor=1.0,
-        attn_res_block_size=12,
-        moe_balance_estimator="histogram",
-    )
-
-
-_PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(
-        vocab_size=4096,
-        hidden_size=256,
-        num_hidden_layers=8,
-        intermediate_size=1024,
-        linear_attn_config=dict(
-            num_heads=4, head_dim=64, short_conv_kernel_size=4, gate_lower_bound=-5.0, use_full_rank_gate=True
-        ),
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        q_lora_rank=128,
-        kv_lora_rank=64,
-        qk_nope_head_dim=32,
-        qk_rope_head_dim=16,
-        v_head_dim=32,
-        num_experts=8,
-        num_experts_per_token=2,
-        num_shared_experts=2,
-        moe_intermediate_size=128,
-        routed_expert_hidden_size=128,
-        attn_res_block_size=3,
-    ),
-    "small": dict(
-        vocab_size=32_768,
-        hidden_size=768,
-        num_hidden_layers=16,
-        intermediate_size=3072,
-        linear_attn_config=dict(
-            num_heads=6, head_dim=128, short_conv_kernel_size=4, gate_lower_bound=-5.0, use_full_rank_gate=True
-        ),
-        num_attention_heads=6,
-        num_key_value_heads=6,
-        q_lora_rank=384,
-        kv_lora_rank=256,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
-        num_experts=32,
-        num_experts_per_token=4,
-        num_shared_experts=2,
-        moe_intermediate_size=256,
-        routed_expert_hidden_size=384,
-        attn_res_block_size=2,
-    ),
-    "k3": _k3_released(),
-}
-
-
-def preset_names() -> list[str]:
-    return sorted(_PRESETS)
 
 
 def _ceil_to(x: int, m: int) -> int:

@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 
 from model.k3 import K3Cache, K3ForCausalLM
+from model.vision.multimodal import K3ForConditionalGeneration
 
 
 def sample_next(
@@ -42,7 +43,7 @@ def sample_next(
 
 @torch.no_grad()
 def generate(
-    model: K3ForCausalLM,
+    model: K3ForCausalLM | K3ForConditionalGeneration,
     input_ids: torch.Tensor,
     max_new_tokens: int,
     temperature: float = 0.0,
@@ -52,10 +53,13 @@ def generate(
     generator: torch.Generator | None = None,
     eos_token_id: int | None = None,
     callback: Callable[[torch.Tensor], None] | None = None,
+    pixel_values: torch.Tensor | None = None,
+    grid_thws: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Prompt [B, T] (or [T]) -> prompt + continuation [B, T + n] (n <= max_new_tokens; stops early once every row
     has produced `eos_token_id`, later positions of finished rows are filled with it). `callback(tokens_B)` is
-    called with each new step's tokens (streaming)."""
+    called with each new step's tokens (streaming). With a K3ForConditionalGeneration, `pixel_values`/`grid_thws`
+    (the images of the prompt's `<|media_pad|>` runs) enter at the prefill; decode reads them from the cache."""
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
     if input_ids.shape[1] == 0:
@@ -68,7 +72,8 @@ def generate(
     model.eval()
     try:
         cache = K3Cache.empty(model.config)
-        logits = model(input_ids, cache=cache).logits[:, -1]  # prefill
+        images = {} if pixel_values is None else dict(pixel_values=pixel_values, grid_thws=grid_thws)
+        logits = model(input_ids, cache=cache, **images).logits[:, -1]  # prefill
         out = [input_ids]
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
         for step in range(max_new_tokens):

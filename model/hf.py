@@ -1,8 +1,11 @@
 """Hugging Face checkpoint IO: `config.json` + safetensors in the released key layout (docs/model.md §12).
 
 The module tree already uses the HF names, so the mapping is small:
-- prefixes: save writes the text-only spelling (`model.*`, `lm_head.weight`); load also accepts the released
-  `language_model.model.*` / `language_model.lm_head.weight` and ignores `vision_tower.*` / `mm_projector.*`;
+- prefixes: a text model saves the text-only spelling (`model.*`, `lm_head.weight`), a K3ForConditionalGeneration
+  the release's (`language_model.model.*`, `language_model.lm_head.weight`, `vision_tower.*`, `mm_projector.*`,
+  whose module tree already has those names); load accepts both text spellings, and builds the multimodal model
+  when config.json has a `vision_config`. Dropping vision is explicit (`text_only=True`, logged in one line);
+  vision tensors without a `vision_config` are an error;
 - routed experts: HF has one tensor per expert (`experts.{j}.w1.weight` [Im, l]); the model stacks them
   (`experts.w1` [E, Im, l]). Released experts are MXFP4 (`weight_packed` + `weight_scale`), dequantised on load;
 - `A_log`: stored zero-padded to ceil(H/128)*128 (docs/model.md §12); the model holds [H]; load uses the first H.
@@ -13,10 +16,11 @@ listing them unless `strict=False`. With `dtype`, floating tensors are cast exce
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from collections import defaultdict
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -26,11 +30,15 @@ from model.config import K3Config, a_log_storage_len
 from model.k3 import K3ForCausalLM
 from model.meta import on_meta
 from model.mxfp4 import dequantize_mxfp4
+from model.vision.multimodal import K3ForConditionalGeneration
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-IGNORED_PREFIXES = ("vision_tower.", "mm_projector.")
+VISION_PREFIXES = ("vision_tower.", "mm_projector.")
+IGNORED_PREFIXES = VISION_PREFIXES  # what the text-only readers (HFReader) skip
 # Kept in fp32 whatever dtype is requested (released as F32; tiny and numerically sensitive).
 FP32_SUFFIXES = (
     "q_conv1d.weight",
@@ -72,42 +80,68 @@ def _listing(keys: list[str], limit: int = 20) -> str:
 # --- save ---------------------------------------------------------------------------------------------------------
 
 
-def hf_tensors(model: K3ForCausalLM) -> Iterator[tuple[str, torch.Tensor]]:
-    """The model's state as (HF key, CPU tensor) pairs in the text-only spelling, experts split, A_log padded."""
-    for name, t in model.state_dict().items():
-        t = t.detach()
-        m = _STACKED_RE.match(name)
-        if m:
-            for j in range(t.shape[0]):
-                yield f"{m.group(1)}.{j}.{m.group(2)}.weight", t[j].to("cpu", copy=True).contiguous()
-        elif name.endswith("self_attn.A_log"):
-            padded = torch.zeros(a_log_storage_len(t.shape[0]), dtype=t.dtype)
-            padded[: t.shape[0]] = t.cpu()
-            yield name, padded
-        else:
-            yield name, t.to("cpu", copy=True).contiguous()
+def build_model(config: K3Config) -> K3ForCausalLM | K3ForConditionalGeneration:
+    """The model `config` describes: K3ForConditionalGeneration with a vision_config, else K3ForCausalLM."""
+    return K3ForCausalLM(config) if config.vision_config is None else K3ForConditionalGeneration(config)
 
 
-def save_hf_checkpoint(
-    model: K3ForCausalLM, path: str | os.PathLike, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
-) -> list[str]:
-    """Write `config.json` and safetensors into directory `path`: one `model.safetensors`, or shards
-    `model-0000i-of-0000n.safetensors` plus `model.safetensors.index.json` when above `max_shard_bytes`.
-    Returns the written tensor file names."""
-    path = os.fspath(path)
-    os.makedirs(path, exist_ok=True)
-    model.config.save(path)
-    # plan shards from sizes first (no copies), then materialise one shard at a time
-    sizes: list[tuple[str, int]] = []
-    for name, t in model.state_dict().items():
+def _cpu(t: torch.Tensor) -> Callable[[], torch.Tensor]:
+    return lambda: t.detach().to("cpu", copy=True).contiguous()
+
+
+def _text_entries(lm: K3ForCausalLM, prefix: str) -> Iterator[tuple[str, int, Callable[[], torch.Tensor]]]:
+    """(HF key, stored bytes, materialise) of the text model: experts split, A_log padded."""
+    for name, t in lm.state_dict().items():
         m = _STACKED_RE.match(name)
         if m:
             per = t[0].numel() * t.element_size()
-            sizes += [(f"{m.group(1)}.{j}.{m.group(2)}.weight", per) for j in range(t.shape[0])]
+            for j in range(t.shape[0]):
+                yield f"{prefix}{m.group(1)}.{j}.{m.group(2)}.weight", per, _cpu(t[j])
         elif name.endswith("self_attn.A_log"):
-            sizes.append((name, a_log_storage_len(t.shape[0]) * t.element_size()))
+
+            def padded(t: torch.Tensor = t) -> torch.Tensor:
+                out = torch.zeros(a_log_storage_len(t.shape[0]), dtype=t.dtype)
+                out[: t.shape[0]] = t.detach().cpu()
+                return out
+
+            yield prefix + name, a_log_storage_len(t.shape[0]) * t.element_size(), padded
         else:
-            sizes.append((name, t.numel() * t.element_size()))
+            yield prefix + name, t.numel() * t.element_size(), _cpu(t)
+
+
+def _entries(model: torch.nn.Module) -> Iterator[tuple[str, int, Callable[[], torch.Tensor]]]:
+    if isinstance(model, K3ForConditionalGeneration):  # the release's spelling; vision tensors as they are
+        yield from _text_entries(model.language_model, "language_model.")
+        for sub in ("vision_tower", "mm_projector"):
+            for name, t in getattr(model, sub).state_dict().items():
+                yield f"{sub}.{name}", t.numel() * t.element_size(), _cpu(t)
+    else:
+        yield from _text_entries(model, "")
+
+
+def hf_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's state as (HF key, CPU tensor) pairs: text-only spelling for K3ForCausalLM, the release's
+    (`language_model.` + vision) for K3ForConditionalGeneration; experts split, A_log padded."""
+    for key, _, make in _entries(model):
+        yield key, make()
+
+
+def save_hf_checkpoint(
+    model: torch.nn.Module, path: str | os.PathLike, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+) -> list[str]:
+    """Write `config.json` and safetensors into directory `path`: one `model.safetensors`, or shards
+    `model-0000i-of-0000n.safetensors` plus `model.safetensors.index.json` when above `max_shard_bytes`.
+    A K3ForCausalLM whose config has a tower holds none: its config.json is written text-only (logged).
+    Returns the written tensor file names."""
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    config = model.config
+    if not isinstance(model, K3ForConditionalGeneration) and config.vision_config is not None:
+        log.warning("save_hf_checkpoint: a K3ForCausalLM holds no vision tower; writing a text-only config.json")
+        config = config.text_only()
+    config.save(path)
+    # plan shards from sizes first (no copies), then materialise one shard at a time
+    sizes = [(key, n) for key, n, _ in _entries(model)]
     shard_of: dict[str, int] = {}
     shard, used = 0, 0
     for key, n in sizes:
@@ -159,22 +193,23 @@ def _tensor_files(path: str) -> list[str]:
     )
 
 
-def _canonical(key: str) -> str | None:
-    """Text-only spelling of a released key, or None for vision keys."""
-    if key.startswith(IGNORED_PREFIXES):
-        return None
+def _canonical(key: str, vision: bool = False) -> str | None:
+    """Text-only spelling of a released key; vision keys as they are with `vision`, else None."""
+    if key.startswith(VISION_PREFIXES):
+        return key if vision else None
     if key.startswith("language_model."):
         key = key[len("language_model.") :]
     return key
 
 
-def read_hf_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """All text tensors of a checkpoint directory, keys in the text-only spelling (vision keys dropped)."""
+def read_hf_state(path: str | os.PathLike, vision: bool = False) -> dict[str, torch.Tensor]:
+    """All text tensors of a checkpoint directory, keys in the text-only spelling; with `vision`, the
+    `vision_tower.*` / `mm_projector.*` tensors too (under their own names), else those are not read."""
     out: dict[str, torch.Tensor] = {}
     for file in _tensor_files(os.fspath(path)):
         with safe_open(file, framework="pt", device="cpu") as f:
             for key in f.keys():  # noqa: SIM118 - safetensors safe_open is not iterable
-                name = _canonical(key)
+                name = _canonical(key, vision)
                 if name is not None:
                     out[name] = f.get_tensor(key)
     return out
@@ -239,28 +274,79 @@ def to_model_state(
     return state, unknown, missing
 
 
+def _vision_state(
+    hf_state: dict[str, torch.Tensor], model_state: dict[str, torch.Tensor], dtype: torch.dtype | None
+) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
+    """The vision tensors (same names in checkpoint and model): (state, unknown keys, missing keys)."""
+    want = {k: t for k, t in model_state.items() if k.startswith(VISION_PREFIXES)}
+    state, unknown = {}, []
+    for key, t in hf_state.items():
+        if not key.startswith(VISION_PREFIXES):
+            continue
+        if key not in want:
+            unknown.append(key)
+            continue
+        if tuple(t.shape) != tuple(want[key].shape):
+            raise CheckpointError(
+                f"{key} has shape {tuple(t.shape)} but the vision_config expects {tuple(want[key].shape)}; "
+                "is config.json from the same checkpoint?"
+            )
+        state[key] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+    return state, unknown, [k for k in want if k not in state]
+
+
 def load_hf_checkpoint(
     path: str | os.PathLike,
     dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
     strict: bool = True,
     config_overrides: dict[str, Any] | None = None,
-) -> K3ForCausalLM:
-    """Build `K3ForCausalLM` from a HF checkpoint directory (config.json + safetensors, flat or `text_config`).
+    text_only: bool = False,
+) -> K3ForCausalLM | K3ForConditionalGeneration:
+    """Build the model of a HF checkpoint directory (config.json + safetensors, flat or `text_config`):
+    K3ForConditionalGeneration when config.json has a `vision_config`, else K3ForCausalLM.
 
     `dtype=None` keeps the stored dtypes; `config_overrides` replace project-only settings (e.g. kda_chunk_size).
-    With `strict=False`, unknown keys are ignored and missing ones keep their fresh initialisation."""
+    `text_only=True` (or `config_overrides={"vision_config": None}`) builds the text model of a multimodal
+    checkpoint and says so in one logged line. With `strict=False`, unknown keys are ignored and missing ones keep
+    their fresh initialisation."""
     path = os.fspath(path)
     config = K3Config.from_hf_config(path)
+    had_vision = config.vision_config is not None
     if config_overrides:
         config = config.replace(**config_overrides)
+    if text_only or config.vision_config is None:
+        config = config.text_only()
+    hf_state = read_hf_state(path, vision=True)
+    n_vision = sum(k.startswith(VISION_PREFIXES) for k in hf_state)
+    if n_vision and config.vision_config is None and (had_vision or text_only):  # explicit: drop them, visibly
+        log.warning(
+            f"load_hf_checkpoint: text-only model from the multimodal checkpoint {path}: "
+            f"dropping its {n_vision} vision tensors (vision_tower.*, mm_projector.*)"
+        )
+        hf_state = {k: t for k, t in hf_state.items() if not k.startswith(VISION_PREFIXES)}
     with on_meta():
-        meta = K3ForCausalLM(config)
-    state, unknown, missing = to_model_state(read_hf_state(path), meta.state_dict(), dtype)
+        meta = build_model(config)
+    lm_meta = meta.language_model if isinstance(meta, K3ForConditionalGeneration) else meta
+    text_hf = {k: t for k, t in hf_state.items() if not k.startswith(VISION_PREFIXES)}
+    state, unknown, missing = to_model_state(text_hf, lm_meta.state_dict(), dtype)
+    if isinstance(meta, K3ForConditionalGeneration):
+        state = {"language_model." + k: t for k, t in state.items()}
+        missing = ["language_model." + k for k in missing]
+        v_state, v_unknown, v_missing = _vision_state(hf_state, meta.state_dict(), dtype)
+        state.update(v_state)
+        unknown, missing = unknown + v_unknown, missing + v_missing
+    else:
+        unknown += [k for k in hf_state if k.startswith(VISION_PREFIXES)]
     if strict and (unknown or missing):
+        hint = (
+            " (vision tensors but no vision_config in config.json: add it, or drop them with text_only=True)"
+            if n_vision and not had_vision
+            else ""
+        )
         raise CheckpointError(
             f"checkpoint {path} does not match the config: unknown keys [{_listing(unknown)}]; "
-            f"missing keys [{_listing(missing)}] (pass strict=False to load anyway)"
+            f"missing keys [{_listing(missing)}] (pass strict=False to load anyway){hint}"
         )
     if not missing:
         meta.load_state_dict(state, strict=True, assign=True)
@@ -269,7 +355,7 @@ def load_hf_checkpoint(
     else:
         model = None
     if model is None:  # something was not in the checkpoint: start from a real initialisation
-        model = K3ForCausalLM(config)
+        model = build_model(config)
         if dtype is not None:
             _cast_keep_fp32(model, dtype)
         model.load_state_dict(state, strict=False)

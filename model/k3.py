@@ -242,10 +242,15 @@ class K3Model(nn.Module):
             self.output_attn_res_norm.reset_parameters()
 
     def forward(
-        self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None, cache: K3Cache | None = None
+        self,
+        input_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        cache: K3Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list]:
+        """`inputs_embeds` [B, T, D] replaces the embedding lookup (images scattered in: model/vision)."""
         blocks: list[torch.Tensor] = []
-        partial = self.embed_tokens(input_ids)  # [B, T, D]
+        partial = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [B, T, D]
         stats = []
         for i, layer in enumerate(self.layers):
             blocks, partial, s = layer(blocks, partial, cu_seqlens, None if cache is None else cache.layers[i])
@@ -344,11 +349,13 @@ class K3ForCausalLM(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         cache: K3Cache | None = None,
         targets: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> K3Output:
         """`labels` (HF: shifted here) or `targets` (position t's next-token id, -100 = not counted) give the
-        loss; under `set_sequence_shard` input_ids/targets are this rank's slice, cu_seqlens the whole sequence's."""
+        loss; under `set_sequence_shard` input_ids/targets are this rank's slice, cu_seqlens the whole sequence's.
+        `inputs_embeds` (the embedded input_ids with image features scattered in) replaces the lookup."""
         self._check_inputs(input_ids, labels, cu_seqlens, cache, targets)
-        hidden_BTD, stats = self.model(input_ids, cu_seqlens=cu_seqlens, cache=cache)
+        hidden_BTD, stats = self.model(input_ids, cu_seqlens=cu_seqlens, cache=cache, inputs_embeds=inputs_embeds)
         if cache is not None:
             cache.seen_tokens += input_ids.shape[1]
         logits_BTV = self.lm_head(hidden_BTD)

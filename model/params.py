@@ -22,6 +22,21 @@ def build_meta(config: K3Config):
         return K3ForCausalLM(config)
 
 
+def count_vision_params(config: K3Config) -> tuple[int, int]:
+    """(vision tower, projector) parameters of `config.vision_config`, built on the meta device; (0, 0) text-only.
+    The tower holds no buffers: every count is a checkpoint tensor (`vision_tower.*` / `mm_projector.*`)."""
+    if config.vision_config is None:
+        return 0, 0
+    from model.vision.tower import MoonViT, PatchMergerV2  # local import, as build_meta
+
+    with on_meta():
+        tower, proj = MoonViT(config.vision_config), PatchMergerV2(config.vision_config)
+    return (
+        int(sum(t.numel() for t in tower.state_dict().values())),
+        int(sum(t.numel() for t in proj.state_dict().values())),
+    )
+
+
 def _expert_numel(moe) -> int:
     """Parameters of one routed expert, from the stacked tensors `experts.w{1,2,3} [E_local, ...]`."""
     ex = moe.experts

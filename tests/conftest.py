@@ -78,6 +78,7 @@ FIRST = (
     "base_run",  # 25 + 30 + 15
     "distributed/test_launch.py",  # 55
     "fault/test_sweep.py",  # 40
+    "training/test_freeze.py",  # 20-40 (one 1-process run)
     "distributed/test_expert_parallel_engine.py",  # 25
     "training/test_entry_points.py",  # 30
     "training/test_sft.py",  # 25

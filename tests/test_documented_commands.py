@@ -51,6 +51,7 @@ BENCH_TINY = {
     "bench.kda": " --quick --chunk-sizes 64 --reps 1 --loop-reps 1",
     "bench.moe": " --quick --reps 1",
     "bench.moe_ep": " --quick --reps 1",
+    "bench.vision": " --quick --reps 1",
     "bench.train": " --cases tiny:64 --reps 1",
     "bench.data": " --reps 1 --model-reps 1 --fresh-tokens 20000 --fresh-reps 1",
     "bench.memory": " --cases tiny:64",

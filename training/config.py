@@ -66,6 +66,15 @@ class LossOn(Choice):
     all = "all"
 
 
+class FreezeGroup(Choice):
+    """`train.freeze` groups (NeMo-AM's freeze options; the release trains the tower jointly, so none by default)."""
+
+    vision_tower = "vision_tower"
+    mm_projector = "mm_projector"
+    language_model = "language_model"  # the whole text model, embeddings and lm_head included
+    embeddings = "embeddings"  # the input embedding table `embed_tokens`
+
+
 class LoggingMode(Choice):
     offline = "offline"
     online = "online"
@@ -128,6 +137,7 @@ class TrainSection:
     activation_checkpointing: bool = False
     max_bad_steps: int = 5  # stop (with a checkpoint) after this many consecutive non-finite steps; 0 = never
     loss_on: LossOn = LossOn.assistant  # which tokens of chat sources carry loss
+    freeze: List[FreezeGroup] = field(default_factory=list)  # frozen: no gradients, no optimizer state
 
 
 @dataclass
@@ -366,6 +376,12 @@ def validate(cfg: DictConfig, world_size: int) -> K3Config:
     need(cfg.logging.every >= 1, f"logging.every must be >= 1, got {cfg.logging.every}")
     need(cfg.checkpoint.every >= 0, f"checkpoint.every must be >= 0 (0 = only at the end), got {cfg.checkpoint.every}")
     need(t.max_bad_steps >= 0, f"train.max_bad_steps must be >= 0 (0 = never stop), got {t.max_bad_steps}")
+    vision = sorted({str(g) for g in t.freeze} & {"vision_tower", "mm_projector"})
+    need(
+        not vision,
+        f"train.freeze={vision}: the trainer builds the text model (K3ForCausalLM) so far, which has no "
+        "vision_tower/mm_projector to freeze; freeze language_model or embeddings",
+    )
     need(cfg.checkpoint.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {cfg.checkpoint.keep_last}")
     r = cfg.checkpoint.resume
     if r not in ("auto", "none"):

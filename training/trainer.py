@@ -34,6 +34,7 @@ from training.config import (
 )
 from training.distributed import all_reduce_sum, barrier, init_distributed
 from training.engine import build_ds_config, initialize, param_groups
+from training.freeze import freeze
 from training.guard import StepGuard, TooManyBadSteps
 from training.guard import install as install_guard
 from training.metrics import RunLogger, flops_per_token, peak_flops
@@ -106,6 +107,13 @@ class Trainer:
             sp_size=int(cfg.parallel.sp_size),
         )
         self.model.set_gradient_checkpointing(bool(t.activation_checkpointing))
+        self.frozen_params = freeze(self.model, [str(g) for g in t.freeze])  # before the optimizer sees them
+        if mcfg.vision_config is not None and self.is_main:  # never silent: the tower is not trained (yet)
+            print(
+                "model: the config has a vision tower; this trainer builds and trains its text model only "
+                "(vision tensors are neither trained nor exported: docs/model.md §14)",
+                flush=True,
+            )
         groups = self.ep.param_groups(self.model, param_groups(self.model, float(cfg.schedule.weight_decay)))
         self.reducer = self.ep.stats_reducer()
         self.grad_ranks = gradient_averaging_ranks(self.world, self.ep.sp_size, int(cfg.deepspeed.zero_stage))

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from model.config import ConfigError, K3Config, a_log_storage_len, k3_schedule, preset_names
+from model.vision.config import VisionConfig
 
 K3_MLA_LAYERS = sorted({4 * k for k in range(1, 24)} | {93})  # 1-indexed, docs/model.md §1
 
@@ -89,7 +90,7 @@ def test_a_log_storage_is_padded_to_multiples_of_128() -> None:
 def test_to_hf_config_round_trips_through_json(name: str) -> None:
     c = K3Config.preset(name)
     d = json.loads(json.dumps(c.to_hf_config()))
-    assert d["model_type"] == "kimi_linear"
+    assert d["model_type"] == ("kimi_k3" if c.vision_config is not None else "kimi_linear")  # k3: the release's
     assert K3Config.from_hf_config(d) == c
 
 
@@ -106,13 +107,15 @@ def test_from_hf_config_reads_a_text_config_nested_file_and_ignores_foreign_keys
     text["eos_token_id"] = [7, 8]
     nested = {
         "model_type": "kimi_k3",
-        "vision_config": {"patch_size": 14},
+        "vision_config": {"patch_size": 14, "model_type": "kimi_k3_vision"},
+        "media_placeholder_token_id": 4095,
         "text_config": text,
         "unknown_top_level": True,
     }
     (tmp_path / "config.json").write_text(json.dumps(nested))
     c = K3Config.from_hf_config(tmp_path / "config.json")
-    assert c == K3Config.preset("tiny", eos_token_id=7)
+    tower = VisionConfig(patch_size=14, text_hidden_size=256)  # the tower's LM width defaults to the text config's
+    assert c == K3Config.preset("tiny", eos_token_id=7, vision_config=tower, media_placeholder_token_id=4095)
 
 
 def test_from_hf_config_reads_the_golden_tiny_checkpoint(golden_tiny_dir) -> None:

@@ -55,7 +55,7 @@ def _released(tmp_path, cfg):
 def test_reader_materialises_the_released_layout_like_load_hf_checkpoint(tmp_path):
     cfg = micro_config()
     path = _released(tmp_path, cfg)
-    ref = load_hf_checkpoint(path).state_dict()
+    ref = load_hf_checkpoint(path, text_only=True).state_dict()  # (its vision tensors: dropped, explicitly)
     model = build_meta(cfg)
     reader = HFReader(path)
     materialise(model, 0, None, reader)
@@ -69,7 +69,7 @@ def test_reader_materialises_the_released_layout_like_load_hf_checkpoint(tmp_pat
 def test_an_ep_rank_reads_only_its_experts(tmp_path):
     cfg = micro_config()
     path = _released(tmp_path, cfg)
-    ref = load_hf_checkpoint(path).state_dict()
+    ref = load_hf_checkpoint(path, text_only=True).state_dict()  # (its vision tensors: dropped, explicitly)
     full, half = HFReader(path), HFReader(path)
     materialise(build_meta(cfg), 0, None, full)
     model = build_meta(cfg)
@@ -85,7 +85,7 @@ def test_an_ep_rank_reads_only_its_experts(tmp_path):
 
 def test_a_row_range_reads_only_those_rows(tmp_path):
     path = _released(tmp_path, micro_config())
-    ref = load_hf_checkpoint(path).state_dict()["lm_head.weight"]
+    ref = load_hf_checkpoint(path, text_only=True).state_dict()["lm_head.weight"]
     r = HFReader(path)
     rows = r.read("lm_head.weight", tuple(ref.shape), 3, 7)
     assert torch.equal(rows, ref[3:7]) and r.bytes_read == rows.numel() * rows.element_size()

@@ -7,6 +7,8 @@ ZeRO 1-3: the fp32 master weights are gathered from every rank's shards with Dee
 utilities (buffers such as the router biases come from the model-states file); ZeRO 0: the module state file is
 already whole. Expert-parallel checkpoints (per-expert files) are consolidated by training/ep. The model config and
 tokenizer saved with the checkpoint travel along, so `model.load_hf_checkpoint(out_dir)` is all a reader needs.
+A multimodal run (vision tensors in its state) exports a K3ForConditionalGeneration in the release's names; a run
+whose config has a tower but whose state holds none (the text model was trained) exports text-only, said in one line.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import sys
 import torch
 
 from data import DataError, load_tokenizer
-from model import K3Config, K3ForCausalLM, save_hf_checkpoint
+from model import K3Config, build_model, save_hf_checkpoint
+from model.hf import VISION_PREFIXES
 from training.checkpoint import has_expert_files, resolve_checkpoint, verify_checkpoint
 from training.parallel.universal import consolidated_state_dict as zero3_state_dict
 from training.parallel.universal import is_zero3_checkpoint
@@ -48,11 +51,18 @@ def consolidated_state_dict(tag_dir: str) -> dict[str, torch.Tensor]:
 
 
 def load_checkpoint_model(path: str):
-    """K3ForCausalLM with the weights of the newest complete checkpoint under `path` (fp32, CPU)."""
+    """The model (K3ForCausalLM, or K3ForConditionalGeneration when the state holds the tower) with the weights
+    of the newest complete checkpoint under `path` (fp32, CPU)."""
     tag_dir = resolve_checkpoint(path)
     config = K3Config.from_hf_config(tag_dir)
     state = consolidated_state_dict(tag_dir)
-    model = K3ForCausalLM(config)
+    if config.vision_config is not None and not any(k.startswith(VISION_PREFIXES) for k in state):
+        print(
+            f"export: {tag_dir} holds no vision tensors (the text model was trained); writing a text-only checkpoint",
+            file=sys.stderr,
+        )
+        config = config.text_only()
+    model = build_model(config)
     model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=True)
     return model.eval(), tag_dir
 

@@ -6,7 +6,9 @@ checkpoint (a run dir, its checkpoints/ dir or one step_* dir; the newest comple
 ZeRO stage). The tokenizer (sentencepiece or tiktoken) is the one saved next to it. Keys: prompt, prompt_ids ("1 2 3"),
 max_new_tokens (64), temperature (0 = greedy), top_k, top_p, seed (0), dtype (float32|bfloat16|float64),
 device (cpu), bos (null: prepend BOS exactly when the run trained with data.add_bos, read from the run's
-config.yaml; true/false to force), bench (false), contexts ("100,4000"), bench_tokens (32).
+config.yaml; true/false to force), bench (false), contexts ("100,4000"), bench_tokens (32), image (a picture file:
+a multimodal checkpoint sees it before the prompt, as `<|media_begin|>image WxH<|media_content|>` + its
+`<|media_pad|>` tokens + `<|media_end|>`, resized by data/images.py's rule).
 
 Tokens stream to stdout as they are sampled; tokens/s of the decode phase goes to stderr. `bench=true` shows why
 K3 decodes at a context-independent cost: KDA carries a fixed-size state and MLA attends over a 576-value latent
@@ -26,7 +28,8 @@ import torch
 from omegaconf import OmegaConf
 
 from data import DataError, Tokenizer, load_tokenizer
-from model import load_hf_checkpoint
+from data.images import MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD, ImageError, ImageRules, prepare_image
+from model import K3ForConditionalGeneration, load_hf_checkpoint
 from model.generate import generate
 from training.tools.cli import ToolError, parse_args, run_tool
 from training.tools.export import load_checkpoint_model
@@ -46,8 +49,17 @@ DEFAULTS: dict[str, Any] = {
     "bench": False,
     "contexts": "100,4000",
     "bench_tokens": 32,
+    "image": None,
 }
-_KINDS = {"checkpoint": str, "prompt": str, "prompt_ids": str, "top_k": int, "top_p": float, "bos": bool}
+_KINDS = {
+    "checkpoint": str,
+    "prompt": str,
+    "prompt_ids": str,
+    "top_k": int,
+    "top_p": float,
+    "bos": bool,
+    "image": str,
+}
 GenerateError = ToolError
 
 
@@ -96,6 +108,36 @@ def find_tokenizer(*dirs: Path) -> Tokenizer | None:
             except DataError:
                 continue
     return None
+
+
+def image_prompt(model, tok: Tokenizer | None, path: str) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """(the image's block of token ids, its pixel_values / grid_thws) for a multimodal model."""
+    if not isinstance(model, K3ForConditionalGeneration):
+        raise GenerateError(f"image={path} needs a multimodal checkpoint (config.json with a vision_config)")
+    marks = {
+        m: tok.token_to_id(m) if tok is not None else None for m in (MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD)
+    }
+    if tok is None or None in marks.values():
+        raise GenerateError(f"image= needs the checkpoint's tokenizer with {', '.join(marks)} as special tokens")
+    if marks[MEDIA_PAD] != model.media_id:
+        raise GenerateError(
+            f"the tokenizer's {MEDIA_PAD} is id {marks[MEDIA_PAD]} but the model's media_placeholder_token_id is "
+            f"{model.media_id}; use the checkpoint's own tokenizer"
+        )
+    v = model.config.vision_config
+    rules = ImageRules(v.patch_size, v.merge_kernel_size[0], v.in_patch_limit, v.patch_limit_per_side)
+    try:
+        im = prepare_image(path, rules)
+    except ImageError as e:
+        raise GenerateError(f"image={path}: {e}") from None
+    ids = [marks[MEDIA_BEGIN], *tok.encode(f"image {im.size[0]}x{im.size[1]}"), marks[MEDIA_CONTENT]]
+    ids += [marks[MEDIA_PAD]] * im.num_tokens + [marks[MEDIA_END]]
+    dev, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    images = {
+        "pixel_values": torch.from_numpy(im.pixel_values).to(device=dev, dtype=dtype),
+        "grid_thws": torch.tensor([im.grid]),
+    }
+    return ids, images
 
 
 class TextStream:
@@ -185,6 +227,11 @@ def _main(argv: list[str]) -> int:
             ids = [int(x) for x in a["prompt_ids"].replace(",", " ").split()]
         except ValueError:
             raise GenerateError(f"prompt_ids must be integers separated by spaces, got {a['prompt_ids']!r}") from None
+    images: dict[str, torch.Tensor] = {}
+    if a["image"] is not None:  # the image comes first, after BOS
+        block, images = image_prompt(model, tok, a["image"])
+        at = 1 if tok is not None and tok.bos_id is not None and ids[:1] == [tok.bos_id] else 0
+        ids = ids[:at] + block + ids[at:]
     V = model.config.vocab_size
     if not ids or min(ids) < 0 or max(ids) >= V:
         raise GenerateError(f"prompt token ids must be non-empty and in [0, {V}); got {len(ids)} ids")
@@ -200,6 +247,7 @@ def _main(argv: list[str]) -> int:
         top_p=a["top_p"],
         seed=a["seed"],
         eos_token_id=eos,
+        **images,
     )
     sys.stdout.write("\n")
     print(
