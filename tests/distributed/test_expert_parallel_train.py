@@ -4,12 +4,16 @@ Jobs (tiny_ci model, ZeRO-2, global batch 4 rows, 8 steps, checkpoints every 2, 
   ep2      2 ranks, parallel=ep2 (micro 2, GA 1): the session's `ep2_ref` (tests/conftest.py; test_kill.py's
            reference too)                                 ep1      1 rank, no EP (micro 2, GA 2): same global batch
   ep2_kill 2 ranks EP=2 killed after step 7, then resumed with checkpoint.resume=auto
-  ep1_from_ep2  1 rank EP=1 resumed from ep2's step-6 checkpoint (per-expert files, EP=2 layout)
+  ep1_from_ep2  1 rank EP=1 resumed from ep2_kill's step-4 checkpoint (per-expert files and ZeRO-2 shards of the
+           EP=2 layout, copied aside before ep2_kill's resume prunes it)
   ep2_from_ep1  2 ranks EP=2 resumed from ep1's step-6 checkpoint (plain stacked experts)
+A resume at another layout carries the ZeRO-2 optimizer (training/parallel/zero_reshard.py), so its losses equal the
+uninterrupted job of its own layout from the resume step on.
 """
 
 from __future__ import annotations
 
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -23,6 +27,7 @@ from tests.distributed.conftest import RunResult, must_succeed, run_training
 pytestmark = pytest.mark.distributed
 KILL_AFTER = 7
 RESUME_AT = 6  # a checkpoint every 2 steps, the last 2 kept: 6 and 8
+KILLED_RESUME_AT = 4  # ep2_kill's older checkpoint: 4 steps at EP=1 after resuming it
 EP1 = [o for o in EP2 if not o.startswith(("parallel=", "train.grad_accum="))] + ["train.grad_accum=2"]
 
 
@@ -37,15 +42,12 @@ def jobs(runs_root, ep2_ref) -> dict[str, RunResult]:
         ep1 = pool.submit(run_training, root / "ep1", EP1, 1, None, False)
         kill = pool.submit(run_training, root / "ep2_kill", EP2, 2, {"K3_FAULT_KILL_AT_STEP": str(KILL_AFTER)})
         out = {"ep2": ep2_ref, "ep1": must_succeed(ep1.result()), "ep2_killed": kill.result()}
+    killed_ckpt = root / "ep2_killed_ckpt" / f"step_{KILLED_RESUME_AT:08d}"
+    shutil.copytree(_step_dir(out["ep2_killed"], KILLED_RESUME_AT), killed_ckpt)  # the resume below prunes it
     with ThreadPoolExecutor(3) as pool:
         resumed = pool.submit(run_training, root / "ep2_kill", [*EP2, "checkpoint.resume=auto"], 2)
         to_ep1 = pool.submit(
-            run_training,
-            root / "ep1_from_ep2",
-            [*EP1, f"checkpoint.resume={_step_dir(out['ep2'], RESUME_AT)}"],
-            1,
-            None,
-            False,
+            run_training, root / "ep1_from_ep2", [*EP1, f"checkpoint.resume={killed_ckpt}"], 1, None, False
         )
         to_ep2 = pool.submit(
             run_training, root / "ep2_from_ep1", [*EP2, f"checkpoint.resume={_step_dir(out['ep1'], RESUME_AT)}"], 2
@@ -91,20 +93,23 @@ def test_ep2_resume_after_kill_is_bitwise(jobs):
     assert resumed.losses() == jobs["ep2"].losses()  # exact equality, every step
 
 
-def test_ep2_checkpoint_resumes_at_ep1_with_identical_model(jobs):
-    # the first step after resuming is a forward of the saved weights on the same batch: same loss as the EP=2
-    # job's (the optimizer moments restart across layouts, so later steps may differ)
+def _max_rel_diff(got: dict[int, float], ref: dict[int, float], steps: range) -> float:
+    assert sorted(got) == list(steps), sorted(got)
+    return max(abs(got[s] - ref[s]) / abs(ref[s]) for s in steps)
+
+
+def test_killed_ep2_zero2_job_resumed_on_one_rank_ep1_matches_uninterrupted_one_rank_job(jobs):
+    # weights, balancer biases, Adam moments and step carried from 2 ranks EP=2 to 1 rank EP=1: every step from
+    # the resume on equals the uninterrupted 1-rank job at 1e-5 (fresh moments miss by ~1e-3 at the second step)
     res = must_succeed(jobs["ep1_from_ep2"])
-    first = RESUME_AT + 1
-    ref = jobs["ep2"].losses()[first]
-    assert abs(res.losses()[first] - ref) <= 1e-6 * abs(ref), (res.losses()[first], ref)
+    assert f"step_{KILLED_RESUME_AT:08d} at step {KILLED_RESUME_AT}" in res.stdout  # "resumed from ... at step 4"
+    assert "Adam moments restart" not in res.stdout
+    assert _max_rel_diff(res.losses(), jobs["ep1"].losses(), range(KILLED_RESUME_AT + 1, STEPS + 1)) <= 1e-5
 
 
-def test_ep1_checkpoint_resumes_at_ep2_with_identical_model(jobs):
+def test_ep1_checkpoint_resumed_at_ep2_matches_uninterrupted_ep2_job(jobs):
     res = must_succeed(jobs["ep2_from_ep1"])
-    first = RESUME_AT + 1
-    ref = jobs["ep1"].losses()[first]
-    assert abs(res.losses()[first] - ref) <= 1e-6 * abs(ref), (res.losses()[first], ref)
+    assert _max_rel_diff(res.losses(), jobs["ep2"].losses(), range(RESUME_AT + 1, STEPS + 1)) <= 1e-5
 
 
 def test_hf_export_is_the_same_whatever_the_ep_size(jobs, tmp_path):
