@@ -117,9 +117,7 @@ class SavedZeroState:
         return self._group_state(r, g)[key]
 
     def _flat(self, name: str, key: str, ranks: Sequence[int]) -> torch.Tensor:
-        parts = [
-            self._partition(r, g, key).narrow(0, a.start, a.numel) for r, g, a in self._where[name] if r in ranks
-        ]
+        parts = [self._partition(r, g, key).narrow(0, a.start, a.numel) for r, g, a in self._where[name] if r in ranks]
         return torch.cat(parts) if parts else torch.empty(0)
 
     def full(self, name: str, key: str, rest: Sequence[int]) -> torch.Tensor:
