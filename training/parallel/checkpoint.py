@@ -122,7 +122,7 @@ def prepare_resume(par, ds_config: dict[str, Any], tag_dir: str, run_dir: str) -
 
 def _load_plain_checkpoint(par, engine, load_dir: str, tag: str):
     """A checkpoint written without expert parallelism (stacked experts in the model file): slice our experts
-    out of it; weights and buffers only (the optimizer starts fresh)."""
+    out of it; weights and buffers (`load_any_layout` then carries the ZeRO-1/2 optimizer)."""
     path = os.path.join(load_dir, tag, "mp_rank_00_model_states.pt")
     state = safe_torch_load(path)  # checkpoints are untrusted: weights-only
     module = dict(state["module"])
