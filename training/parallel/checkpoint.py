@@ -3,9 +3,11 @@
 Same layout: DeepSpeed's own `engine.load_checkpoint` (weights, buffers, optimizer shards, LR schedule).
 Another layout:
   * per-expert-file checkpoints (ZeRO 0-2 + EP, training/parallel/ds_moe.py) hold experts by global id, so any EP
-    size reads the weights back; ZeRO optimizer shards are per (world, EP) layout, so only the module weights,
-    buffers (balancer biases) and the LR schedule are restored and the optimizer starts fresh;
+    size reads the weights back (weights-only load: module weights, buffers such as balancer biases, LR schedule);
   * a checkpoint without expert files (stacked experts in the model file) is sliced to this rank's experts;
+  * in both, and for a ZeRO-1/2 checkpoint of another world size without EP, the ZeRO-1/2 optimizer shards (fp32
+    masters, Adam moments, step) are re-partitioned for this layout (training/parallel/zero_reshard.py); ZeRO-0
+    optimizer state at another layout is not carried (one warning line: the moments restart);
   * ZeRO-3 + EP ("zero3_partitioned", training/parallel/universal.py) goes through DeepSpeed's universal checkpoint.
 """
 
@@ -20,6 +22,7 @@ import torch.distributed as dist
 from training.checkpoint.safe_load import CheckpointError, safe_torch_load
 from training.checkpoint.store import has_expert_files
 from training.parallel.universal import convert, is_zero3_checkpoint, model_states_file, restore_buffers
+from training.parallel.zero_reshard import SavedZeroState, checkpoint_zero_stage, optim_files, restore_optimizer
 
 EXPERT_WEIGHTS = ("w1", "w3", "w2")
 CLIENT_STATE_KEY = "expert_parallel"
@@ -55,19 +58,40 @@ def load_any_layout(par, engine, load_dir: str, tag: str | None = None, **kwargs
                 st["step"] = st["step"].clone()
         restore_buffers(engine.module, tag_dir)
         return path, client, False
-    if par.group_name is None and (saved is None or saved["ep_size"] == 1):  # no EP on either side: DeepSpeed's
-        path, client = engine.load_checkpoint(load_dir, tag, **kwargs)  # own load (ZeRO 1/2 reshard elastically)
-        return path, client, True
-    if par.ds_moe and not has_expert_files(tag_dir):
-        path, client = _load_plain_checkpoint(par, engine, load_dir, tag)
-        return path, client, False
-    if same:
+    shards = optim_files(tag_dir)  # ZeRO-1/2: one per rank that wrote it
+    world_changed = bool(shards) and len(shards) != world  # DeepSpeed's ZeRO-1/2 load refuses it
+    no_ep = par.group_name is None and (saved is None or saved["ep_size"] == 1)
+    plain_into_ep = par.ds_moe and not has_expert_files(tag_dir)
+    if not plain_into_ep and not world_changed and (same or no_ep):  # DeepSpeed's own load
         path, client = engine.load_checkpoint(load_dir, tag, **kwargs)
         return path, client, True
-    kwargs.update(load_optimizer_states=False, load_lr_scheduler_states=False, load_module_only=True)
-    path, client = engine.load_checkpoint(load_dir, tag, **kwargs)
-    _restore_lr_schedule(engine, tag_dir)
+    if plain_into_ep:
+        path, client = _load_plain_checkpoint(par, engine, load_dir, tag)
+    else:
+        kwargs.update(load_optimizer_states=False, load_lr_scheduler_states=False, load_module_only=True)
+        path, client = engine.load_checkpoint(load_dir, tag, **kwargs)
+        _restore_lr_schedule(engine, tag_dir)
+    _carry_optimizer(par, engine, tag_dir, saved["ep_size"] if saved else 1)
     return path, client, False
+
+
+def _carry_optimizer(par, engine, tag_dir: str, saved_ep: int) -> None:
+    """After a weights-only load at another layout: the ZeRO-1/2 optimizer state re-partitioned for this one
+    (training/parallel/zero_reshard.py); otherwise one warning line (the moments restart from zero)."""
+    stage = checkpoint_zero_stage(tag_dir)
+    if stage in (1, 2) and par.zero_stage in (1, 2):
+        names = [f"{n}.experts.{w}" for n in par.moe_names for w in EXPERT_WEIGHTS]
+        n_local = par.num_experts // par.ep_size
+        rows = {n: slice(par.ep_rank * n_local, (par.ep_rank + 1) * n_local) for n in names}
+        restore_optimizer(engine, SavedZeroState(tag_dir, saved_ep, names), rows)
+        return
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(
+            f"warning: the optimizer state of {tag_dir} (ZeRO-{stage or 0}) cannot be carried to "
+            f"ZeRO-{par.zero_stage} at this layout: Adam moments restart from zero (weights, buffers and the LR "
+            "schedule are restored); resume it at the layout that wrote it to keep them",
+            flush=True,
+        )
 
 
 def prepare_resume(par, ds_config: dict[str, Any], tag_dir: str, run_dir: str) -> dict[str, Any]:
@@ -98,7 +122,7 @@ def prepare_resume(par, ds_config: dict[str, Any], tag_dir: str, run_dir: str) -
 
 def _load_plain_checkpoint(par, engine, load_dir: str, tag: str):
     """A checkpoint written without expert parallelism (stacked experts in the model file): slice our experts
-    out of it; weights and buffers only (the optimizer starts fresh)."""
+    out of it; weights and buffers (`load_any_layout` then carries the ZeRO-1/2 optimizer)."""
     path = os.path.join(load_dir, tag, "mp_rank_00_model_states.pt")
     state = safe_torch_load(path)  # checkpoints are untrusted: weights-only
     module = dict(state["module"])
