@@ -21,17 +21,16 @@ from model.attn_res import attn_res_mix
 from model.config import K3Config
 from model.ffn import SiTUGLU
 from model.kda import KDA, KDACache
+from model.loss import IGNORE_INDEX, LMHead
 from model.mla import GatedMLA, MLACache
 from model.moe.layer import LatentMoE
 from model.norm import RMSNorm, upcast
 from model.sequence import SequenceShard
 
-IGNORE_INDEX = -100
-
 
 @dataclass
 class K3Output:
-    logits: torch.Tensor  # [B, T, V] in the model dtype
+    logits: torch.Tensor | None  # [B, T, V] in the model dtype; None when the loss was tiled (set_loss_tiling)
     loss: torch.Tensor | None = None  # mean next-token CE over counted targets (+ aux_loss when moe_balance == aux)
     router_stats: list = field(default_factory=list)  # one RouterStats per MoE layer, in layer order
     aux_loss: torch.Tensor | None = None  # sum of the MoE layers' auxiliary losses (moe_balance == aux), else None
@@ -268,7 +267,7 @@ class K3ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = K3Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size, bias=False)
         self.sequence_shard: SequenceShard | None = None
         self.reset_parameters()
 
@@ -297,6 +296,23 @@ class K3ForCausalLM(nn.Module):
         self.sequence_shard = shard
         for layer in self.decoder_layers():
             layer.self_attn.sequence_shard = shard
+
+    def set_loss_tiling(self, tokens: int) -> None:
+        """`tokens` > 0: a forward with labels/targets computes the loss `tokens` logits rows at a time and never
+        materialises [T, V] logits (model/loss.py; `K3Output.logits` is then None); 0: full logits."""
+        if tokens < 0:
+            raise ValueError(f"loss tiling needs tokens >= 0 (0 = off), got {tokens}")
+        self.lm_head.tile_rows = int(tokens)
+
+    def set_ffn_tiling(self, tokens: int) -> None:
+        """`tokens` > 0: the dense FFNs and shared experts recompute over sequence tiles of `tokens` in backward
+        (SiTUGLU.tile_rows); the routed experts already keep only their latent input and recompute block by
+        block (model/moe/dispatch.py). 0: off."""
+        if tokens < 0:
+            raise ValueError(f"FFN tiling needs tokens >= 0 (0 = off), got {tokens}")
+        for m in self.modules():
+            if isinstance(m, SiTUGLU):
+                m.tile_rows = int(tokens)
 
     def set_gradient_checkpointing(self, enabled: bool = True) -> None:
         for layer in self.decoder_layers():
@@ -351,12 +367,18 @@ class K3ForCausalLM(nn.Module):
         hidden_BTD, stats = self.model(input_ids, cu_seqlens=cu_seqlens, cache=cache)
         if cache is not None:
             cache.seen_tokens += input_ids.shape[1]
-        logits_BTV = self.lm_head(hidden_BTD)
         aux = [s.aux_loss for s in stats if getattr(s, "aux_loss", None) is not None]
         aux_loss = torch.stack([upcast(a) for a in aux]).sum() if aux else None
-        loss = count = None
-        if labels is not None or targets is not None:
-            loss, count = causal_lm_loss(logits_BTV, labels, cu_seqlens, targets)
-            if aux_loss is not None and self.config.moe_balance == "aux":
-                loss = loss + aux_loss
+        loss = count = logits_BTV = None
+        wants_loss = labels is not None or targets is not None
+        if wants_loss and self.lm_head.tile_rows > 0:  # tiled logits + CE: no [T, V] tensor (model/loss.py)
+            targets_BT = targets if targets is not None else shift_targets(labels, cu_seqlens)
+            count = (targets_BT != IGNORE_INDEX).sum()
+            loss = self.lm_head(hidden_BTD, targets_BT) / count.clamp_min(1)
+        else:
+            logits_BTV = self.lm_head(hidden_BTD)
+            if wants_loss:
+                loss, count = causal_lm_loss(logits_BTV, labels, cu_seqlens, targets)
+        if loss is not None and aux_loss is not None and self.config.moe_balance == "aux":
+            loss = loss + aux_loss
         return K3Output(logits=logits_BTV, loss=loss, router_stats=stats, aux_loss=aux_loss, num_loss_tokens=count)

@@ -126,6 +126,8 @@ class TrainSection:
     grad_clip: float = 1.0
     precision: Precision = Precision.auto
     activation_checkpointing: bool = False
+    loss_tile_tokens: int = 0  # > 0: tiled logits + CE, this many tokens of logits at a time (model/loss.py)
+    ffn_tile_tokens: int = 0  # > 0: dense FFN / shared experts recompute over tiles of this many tokens (model/ffn.py)
     max_bad_steps: int = 5  # stop (with a checkpoint) after this many consecutive non-finite steps; 0 = never
     loss_on: LossOn = LossOn.assistant  # which tokens of chat sources carry loss
 
@@ -365,6 +367,8 @@ def validate(cfg: DictConfig, world_size: int) -> K3Config:
     need(cfg.optim.lr > 0, f"optim.lr must be > 0, got {cfg.optim.lr}")
     need(cfg.logging.every >= 1, f"logging.every must be >= 1, got {cfg.logging.every}")
     need(cfg.checkpoint.every >= 0, f"checkpoint.every must be >= 0 (0 = only at the end), got {cfg.checkpoint.every}")
+    for key in ("loss_tile_tokens", "ffn_tile_tokens"):
+        need(t[key] >= 0, f"train.{key} must be >= 0 (0 = untiled), got {t[key]}")
     need(t.max_bad_steps >= 0, f"train.max_bad_steps must be >= 0 (0 = never stop), got {t.max_bad_steps}")
     need(cfg.checkpoint.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {cfg.checkpoint.keep_last}")
     r = cfg.checkpoint.resume

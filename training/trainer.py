@@ -106,6 +106,8 @@ class Trainer:
             sp_size=int(cfg.parallel.sp_size),
         )
         self.model.set_gradient_checkpointing(bool(t.activation_checkpointing))
+        self.model.set_loss_tiling(int(t.loss_tile_tokens))  # tiled logits + CE: no [T, V] logits (model/loss.py)
+        self.model.set_ffn_tiling(int(t.ffn_tile_tokens))  # FFN recompute over sequence tiles (model/ffn.py)
         groups = self.ep.param_groups(self.model, param_groups(self.model, float(cfg.schedule.weight_decay)))
         self.reducer = self.ep.stats_reducer()
         self.grad_ranks = gradient_averaging_ranks(self.world, self.ep.sp_size, int(cfg.deepspeed.zero_stage))

@@ -8,7 +8,8 @@ Jobs (tiny_ci: one KDA and one MLA layer, MoE; seq_len 1024 packed from the embe
   sp2_kill  like sp2_ep2, SIGKILLed right after step 6, then resumed with checkpoint.resume=auto
   sp2_z3    2 ranks parallel=sp2 deepspeed=zero3 (EP=1: experts partitioned as plain parameters)
   sp2_ep2_z3  2 ranks parallel=sp2 parallel.ep_size=2 deepspeed=zero3 (AutoEP placement, issue 24:
-            training/parallel/autoep_sp.py)
+            training/parallel/autoep_sp.py), with the tiled loss and FFN on (train.loss_tile_tokens,
+            train.ffn_tile_tokens: their ZeRO-3 gathers in forward and recompute), against the untiled reference
 Plus the model seam alone (tests/distributed/sequence_shard_worker.py: float64, logits and every gradient) and the
 one-line refusals.
 """
@@ -36,7 +37,14 @@ BASE = [
 REF = [*BASE, "deepspeed=zero0"]
 SP2_EP2 = [*BASE, "parallel=sp2", "parallel.ep_size=2", "deepspeed=zero2"]
 SP2_Z3 = [*BASE, "parallel=sp2", "deepspeed=zero3"]
-SP2_EP2_Z3 = [*BASE, "parallel=sp2", "parallel.ep_size=2", "deepspeed=zero3"]
+SP2_EP2_Z3 = [
+    *BASE,
+    "parallel=sp2",
+    "parallel.ep_size=2",
+    "deepspeed=zero3",
+    "train.loss_tile_tokens=96",  # 512 tokens per rank: 6 tiles, the last ragged
+    "train.ffn_tile_tokens=100",
+]
 
 
 def _metric(run: RunResult, key: str) -> dict[int, float]:

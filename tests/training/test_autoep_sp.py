@@ -32,9 +32,8 @@ def test_a_drifted_source_refuses_the_layout_in_one_line_before_any_process_grou
         validate(compose(Z3_EP2_SP2), 2)
     msg = str(e.value)
     assert "_gradient_averaging_world_size" in msg and "deepspeed=zero2" in msg and "\n" not in msg
-    with pytest.raises(RuntimeError, match="_gradient_averaging_world_size"):
-        with autoep_sp.allow_sequence_parallel():
-            pass
+    with pytest.raises(RuntimeError, match="_gradient_averaging_world_size"), autoep_sp.allow_sequence_parallel():
+        pass
 
 
 def _engine(sp: int, qgz: bool = False):
@@ -79,9 +78,8 @@ def test_inside_the_scope_sp_is_accepted_and_the_engine_keeps_its_sp_size():
 def test_inside_the_scope_the_other_autoep_zero3_checks_still_refuse():
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    with autoep_sp.allow_sequence_parallel():
-        with pytest.raises(AssertionError, match="zero_quantized_gradients"):
-            DeepSpeedEngine._validate_zero3_moe_compatibility(_engine(2, qgz=True))
+    with autoep_sp.allow_sequence_parallel(), pytest.raises(AssertionError, match="zero_quantized_gradients"):
+        DeepSpeedEngine._validate_zero3_moe_compatibility(_engine(2, qgz=True))
 
 
 def test_the_scope_ends_with_the_block():
