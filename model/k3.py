@@ -25,6 +25,7 @@ from model.loss import IGNORE_INDEX, LMHead
 from model.mla import GatedMLA, MLACache
 from model.moe.layer import LatentMoE
 from model.norm import RMSNorm, upcast
+from model.offload import HostCopies, checkpoint_on_host
 from model.sequence import SequenceShard
 
 
@@ -144,6 +145,7 @@ class K3DecoderLayer(nn.Module):
         self.attn_res_block_size = config.attn_res_block_size or 0
         self.is_moe = config.is_moe_layer(layer_idx)
         self.gradient_checkpointing = False
+        self.checkpoint_offload = False  # checkpointed inputs in host memory (model/offload.py)
 
         self.input_layernorm = RMSNorm(d, eps)
         self.self_attn = KDA(config, layer_idx) if self.layer_type == "kda" else GatedMLA(config, layer_idx)
@@ -202,13 +204,22 @@ class K3DecoderLayer(nn.Module):
         return blocks, partial + y, stats
 
     def forward(
-        self, blocks: list[torch.Tensor], partial: torch.Tensor, cu_seqlens: torch.Tensor | None = None, cache=None
+        self,
+        blocks: list[torch.Tensor],
+        partial: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        cache=None,
+        host_copies: HostCopies | None = None,
     ) -> tuple[list[torch.Tensor], torch.Tensor, object]:
         """(completed blocks, partial sum) -> updated (blocks, partial, RouterStats | None).
 
         Under activation checkpointing the backward re-runs `_forward`; its RouterStats are simply discarded,
-        so the routing of a micro-batch is counted once."""
+        so the routing of a micro-batch is counted once. `host_copies`: the forward's shared host copies when
+        the checkpoints are offloaded (`checkpoint_offload`)."""
         if self.gradient_checkpointing and self.training and cache is None and torch.is_grad_enabled():
+            if self.checkpoint_offload:
+                copies = host_copies if host_copies is not None else {}
+                return checkpoint_on_host(self._forward, blocks, partial, cu_seqlens, copies)
             return checkpoint(self._forward, blocks, partial, cu_seqlens, None, use_reentrant=False)
         return self._forward(blocks, partial, cu_seqlens, cache)
 
@@ -246,8 +257,10 @@ class K3Model(nn.Module):
         blocks: list[torch.Tensor] = []
         partial = self.embed_tokens(input_ids)  # [B, T, D]
         stats = []
+        copies: HostCopies = {}  # host copies of offloaded checkpoint inputs, shared by this forward's layers
         for i, layer in enumerate(self.layers):
-            blocks, partial, s = layer(blocks, partial, cu_seqlens, None if cache is None else cache.layers[i])
+            layer_cache = None if cache is None else cache.layers[i]
+            blocks, partial, s = layer(blocks, partial, cu_seqlens, layer_cache, host_copies=copies)
             if s is not None:
                 stats.append(s)
         if self.config.attn_res_enabled:
@@ -314,9 +327,11 @@ class K3ForCausalLM(nn.Module):
             if isinstance(m, SiTUGLU):
                 m.tile_rows = int(tokens)
 
-    def set_gradient_checkpointing(self, enabled: bool = True) -> None:
+    def set_gradient_checkpointing(self, enabled: bool = True, offload: bool = False) -> None:
+        """Checkpoint every decoder layer; `offload`: its saved inputs in host memory (model/offload.py)."""
         for layer in self.decoder_layers():
             layer.gradient_checkpointing = enabled
+            layer.checkpoint_offload = bool(enabled and offload)
 
     # --- forward -----------------------------------------------------------------------------------------------
     def _check_inputs(self, input_ids, labels, cu_seqlens, cache, targets) -> None:

@@ -105,7 +105,7 @@ class Trainer:
             expert_files=bool(resume_from and checkpoint.has_expert_files(resume_from)),
             sp_size=int(cfg.parallel.sp_size),
         )
-        self.model.set_gradient_checkpointing(bool(t.activation_checkpointing))
+        self.model.set_gradient_checkpointing(bool(t.activation_checkpointing), offload=bool(t.activation_offload))
         self.model.set_loss_tiling(int(t.loss_tile_tokens))  # tiled logits + CE: no [T, V] logits (model/loss.py)
         self.model.set_ffn_tiling(int(t.ffn_tile_tokens))  # FFN recompute over sequence tiles (model/ffn.py)
         groups = self.ep.param_groups(self.model, param_groups(self.model, float(cfg.schedule.weight_decay)))
