@@ -387,7 +387,11 @@ class K3ForCausalLM(nn.Module):
         loss = count = logits_BTV = None
         wants_loss = labels is not None or targets is not None
         if wants_loss and self.lm_head.tile_rows > 0:  # tiled logits + CE: no [T, V] tensor (model/loss.py)
-            targets_BT = targets if targets is not None else shift_targets(labels, cu_seqlens)
+            if targets is not None:
+                targets_BT = targets
+            else:
+                assert labels is not None  # wants_loss
+                targets_BT = shift_targets(labels, cu_seqlens)
             count = (targets_BT != IGNORE_INDEX).sum()
             loss = self.lm_head(hidden_BTD, targets_BT) / count.clamp_min(1)
         else:

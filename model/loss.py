@@ -67,9 +67,9 @@ class TiledLinearCrossEntropy(torch.autograd.Function):
             p_CV.scatter_add_(-1, t_C.clamp_min(0).unsqueeze(-1), -valid_C.unsqueeze(-1))
             p_CV.mul_((valid_C * grad_out).unsqueeze(-1))
             g_CV = p_CV.to(hidden_ND.dtype)  # the logits gradient as the untiled path hands it to lm_head
-            if need_h:
+            if grad_h is not None:
                 grad_h[s : s + rows] = g_CV @ weight_VD
-            if need_w:
+            if grad_w is not None:
                 grad_w.addmm_(g_CV.t(), h_CD)
             del p_CV, g_CV
         return grad_h, grad_w, None, None

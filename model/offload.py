@@ -61,14 +61,15 @@ def checkpoint_on_host(
     device = partial.device
     blocks_h = [_host(b, copies) for b in blocks]
     partial_h = _host(partial, copies)
-    first_run = {"copies": copies}
+    first_run: dict[str, HostCopies] = {"copies": copies}
 
     def run(partial_h: torch.Tensor, cu: torch.Tensor | None, *blocks_h: torch.Tensor):
         blocks_d = [b.to(device, non_blocking=True) for b in blocks_h]
         out_blocks, out_partial, stats = fn(blocks_d, partial_h.to(device, non_blocking=True), cu, None)
         record = first_run.pop("copies", None)
-        for b_d, b_h in zip(blocks_d, blocks_h) if record is not None else ():
-            record[id(b_d)] = (weakref.ref(b_d), b_h)  # a later layer reading this block reuses its host copy
+        if record is not None:
+            for b_d, b_h in zip(blocks_d, blocks_h):  # a later layer reading this block reuses its host copy
+                record[id(b_d)] = (weakref.ref(b_d), b_h)
         return out_blocks, out_partial, stats
 
     return checkpoint(run, partial_h, cu_seqlens, *blocks_h, use_reentrant=False)
