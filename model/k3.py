@@ -21,17 +21,17 @@ from model.attn_res import attn_res_mix
 from model.config import K3Config
 from model.ffn import SiTUGLU
 from model.kda import KDA, KDACache
+from model.loss import IGNORE_INDEX, LMHead
 from model.mla import GatedMLA, MLACache
 from model.moe.layer import LatentMoE
 from model.norm import RMSNorm, upcast
+from model.offload import HostCopies, checkpoint_on_host
 from model.sequence import SequenceShard
-
-IGNORE_INDEX = -100
 
 
 @dataclass
 class K3Output:
-    logits: torch.Tensor  # [B, T, V] in the model dtype
+    logits: torch.Tensor | None  # [B, T, V] in the model dtype; None when the loss was tiled (set_loss_tiling)
     loss: torch.Tensor | None = None  # mean next-token CE over counted targets (+ aux_loss when moe_balance == aux)
     router_stats: list = field(default_factory=list)  # one RouterStats per MoE layer, in layer order
     aux_loss: torch.Tensor | None = None  # sum of the MoE layers' auxiliary losses (moe_balance == aux), else None
@@ -145,6 +145,7 @@ class K3DecoderLayer(nn.Module):
         self.attn_res_block_size = config.attn_res_block_size or 0
         self.is_moe = config.is_moe_layer(layer_idx)
         self.gradient_checkpointing = False
+        self.checkpoint_offload = False  # checkpointed inputs in host memory (model/offload.py)
 
         self.input_layernorm = RMSNorm(d, eps)
         self.self_attn = KDA(config, layer_idx) if self.layer_type == "kda" else GatedMLA(config, layer_idx)
@@ -203,13 +204,22 @@ class K3DecoderLayer(nn.Module):
         return blocks, partial + y, stats
 
     def forward(
-        self, blocks: list[torch.Tensor], partial: torch.Tensor, cu_seqlens: torch.Tensor | None = None, cache=None
+        self,
+        blocks: list[torch.Tensor],
+        partial: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        cache=None,
+        host_copies: HostCopies | None = None,
     ) -> tuple[list[torch.Tensor], torch.Tensor, object]:
         """(completed blocks, partial sum) -> updated (blocks, partial, RouterStats | None).
 
         Under activation checkpointing the backward re-runs `_forward`; its RouterStats are simply discarded,
-        so the routing of a micro-batch is counted once."""
+        so the routing of a micro-batch is counted once. `host_copies`: the forward's shared host copies when
+        the checkpoints are offloaded (`checkpoint_offload`)."""
         if self.gradient_checkpointing and self.training and cache is None and torch.is_grad_enabled():
+            if self.checkpoint_offload:
+                copies = host_copies if host_copies is not None else {}
+                return checkpoint_on_host(self._forward, blocks, partial, cu_seqlens, copies)
             return checkpoint(self._forward, blocks, partial, cu_seqlens, None, use_reentrant=False)
         return self._forward(blocks, partial, cu_seqlens, cache)
 
@@ -252,8 +262,10 @@ class K3Model(nn.Module):
         blocks: list[torch.Tensor] = []
         partial = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [B, T, D]
         stats = []
+        copies: HostCopies = {}  # host copies of offloaded checkpoint inputs, shared by this forward's layers
         for i, layer in enumerate(self.layers):
-            blocks, partial, s = layer(blocks, partial, cu_seqlens, None if cache is None else cache.layers[i])
+            layer_cache = None if cache is None else cache.layers[i]
+            blocks, partial, s = layer(blocks, partial, cu_seqlens, layer_cache, host_copies=copies)
             if s is not None:
                 stats.append(s)
         if self.config.attn_res_enabled:
@@ -273,7 +285,7 @@ class K3ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = K3Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size, bias=False)
         self.sequence_shard: SequenceShard | None = None
         self.reset_parameters()
 
@@ -303,9 +315,28 @@ class K3ForCausalLM(nn.Module):
         for layer in self.decoder_layers():
             layer.self_attn.sequence_shard = shard
 
-    def set_gradient_checkpointing(self, enabled: bool = True) -> None:
+    def set_loss_tiling(self, tokens: int) -> None:
+        """`tokens` > 0: a forward with labels/targets computes the loss `tokens` logits rows at a time and never
+        materialises [T, V] logits (model/loss.py; `K3Output.logits` is then None); 0: full logits."""
+        if tokens < 0:
+            raise ValueError(f"loss tiling needs tokens >= 0 (0 = off), got {tokens}")
+        self.lm_head.tile_rows = int(tokens)
+
+    def set_ffn_tiling(self, tokens: int) -> None:
+        """`tokens` > 0: the dense FFNs and shared experts recompute over sequence tiles of `tokens` in backward
+        (SiTUGLU.tile_rows); the routed experts already keep only their latent input and recompute block by
+        block (model/moe/dispatch.py). 0: off."""
+        if tokens < 0:
+            raise ValueError(f"FFN tiling needs tokens >= 0 (0 = off), got {tokens}")
+        for m in self.modules():
+            if isinstance(m, SiTUGLU):
+                m.tile_rows = int(tokens)
+
+    def set_gradient_checkpointing(self, enabled: bool = True, offload: bool = False) -> None:
+        """Checkpoint every decoder layer; `offload`: its saved inputs in host memory (model/offload.py)."""
         for layer in self.decoder_layers():
             layer.gradient_checkpointing = enabled
+            layer.checkpoint_offload = bool(enabled and offload)
 
     # --- forward -----------------------------------------------------------------------------------------------
     def _check_inputs(self, input_ids, labels, cu_seqlens, cache, targets) -> None:
@@ -358,12 +389,22 @@ class K3ForCausalLM(nn.Module):
         hidden_BTD, stats = self.model(input_ids, cu_seqlens=cu_seqlens, cache=cache, inputs_embeds=inputs_embeds)
         if cache is not None:
             cache.seen_tokens += input_ids.shape[1]
-        logits_BTV = self.lm_head(hidden_BTD)
         aux = [s.aux_loss for s in stats if getattr(s, "aux_loss", None) is not None]
         aux_loss = torch.stack([upcast(a) for a in aux]).sum() if aux else None
-        loss = count = None
-        if labels is not None or targets is not None:
-            loss, count = causal_lm_loss(logits_BTV, labels, cu_seqlens, targets)
-            if aux_loss is not None and self.config.moe_balance == "aux":
-                loss = loss + aux_loss
+        loss = count = logits_BTV = None
+        wants_loss = labels is not None or targets is not None
+        if wants_loss and self.lm_head.tile_rows > 0:  # tiled logits + CE: no [T, V] tensor (model/loss.py)
+            if targets is not None:
+                targets_BT = targets
+            else:
+                assert labels is not None  # wants_loss
+                targets_BT = shift_targets(labels, cu_seqlens)
+            count = (targets_BT != IGNORE_INDEX).sum()
+            loss = self.lm_head(hidden_BTD, targets_BT) / count.clamp_min(1)
+        else:
+            logits_BTV = self.lm_head(hidden_BTD)
+            if wants_loss:
+                loss, count = causal_lm_loss(logits_BTV, labels, cu_seqlens, targets)
+        if loss is not None and aux_loss is not None and self.config.moe_balance == "aux":
+            loss = loss + aux_loss
         return K3Output(logits=logits_BTV, loss=loss, router_stats=stats, aux_loss=aux_loss, num_loss_tokens=count)

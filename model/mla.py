@@ -247,9 +247,10 @@ class GatedMLA(nn.Module):
         use_absorbed = cache is not None if absorbed is None else absorbed
         attend = absorbed_mla_attention if use_absorbed else naive_mla_attention
         args = (w_kvb, heads, self.nope_dim, self.v_dim)
-        if cu_seqlens is not None and x_BTD.device.type == "cpu" and not use_absorbed:
-            # packed documents on CPU: one causal call per document selects the CPU flash kernel (no T x T mask,
-            # scores or probabilities; causal work skipped), where a block-diagonal mask forces the math path
+        if cu_seqlens is not None and not use_absorbed:
+            # packed documents: one causal call per document selects a fused kernel (CPU flash; CUDA flash or
+            # memory-efficient) with no T x T mask, scores or probabilities and the causal work skipped, where a
+            # block-diagonal mask forces the math path (and a [T, T] mask at 1M tokens would be 1 TB)
             cu = cu_seqlens.tolist()
             o_BTHV = torch.cat(
                 [

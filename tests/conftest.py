@@ -74,7 +74,7 @@ FIRST = (
     "distributed/test_zero3_ep.py",  # 145
     "ep2_ref",  # 90 + 40
     "ref_run",  # 60 + 45 + 30
-    "distributed/test_sequence_parallel.py",  # 95
+    "distributed/test_sequence_parallel.py",  # 130 (95 + the SP2 x EP2 ZeRO-3 job; 252 on a loaded machine)
     "base_run",  # 25 + 30 + 15
     "distributed/test_launch.py",  # 55
     "fault/test_sweep.py",  # 40

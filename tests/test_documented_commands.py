@@ -55,6 +55,7 @@ BENCH_TINY = {
     "bench.train": " --cases tiny:64 --reps 1",
     "bench.data": " --reps 1 --model-reps 1 --fresh-tokens 20000 --fresh-reps 1",
     "bench.memory": " --cases tiny:64",
+    "bench.long_context": " --seqs 256",
     "bench.gpu_check": " --reps 1 --steps 1",  # its CPU dry run: 1 timed rep of each part (a bf16 step takes seconds)
 }
 
@@ -106,6 +107,7 @@ def tiny(cmd: str, tmp: Path) -> str:
     if m and m.group(1) in BENCH_TINY:
         cmd = re.sub(r"--cases(\s+\S+:\d+)+|--reps \d+|--quick", "", cmd)
         cmd = re.sub(r"--sp(\s+\S+:\d+)+", "--sp tiny:64", cmd)  # the sequence-parallel mode: a tiny sequence
+        cmd = re.sub(r"--seqs(\s+\d+)*|--steps(\s+\d+)+", "", cmd)  # bench.long_context: tiny lengths below
         return cmd + BENCH_TINY[m.group(1)]
     return cmd
 

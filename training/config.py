@@ -135,6 +135,9 @@ class TrainSection:
     grad_clip: float = 1.0
     precision: Precision = Precision.auto
     activation_checkpointing: bool = False
+    activation_offload: bool = False  # the checkpointed layer inputs live in host memory (model/offload.py)
+    loss_tile_tokens: int = 0  # > 0: tiled logits + CE, this many tokens of logits at a time (model/loss.py)
+    ffn_tile_tokens: int = 0  # > 0: dense FFN / shared experts recompute over tiles of this many tokens (model/ffn.py)
     max_bad_steps: int = 5  # stop (with a checkpoint) after this many consecutive non-finite steps; 0 = never
     loss_on: LossOn = LossOn.assistant  # which tokens of chat sources carry loss
     freeze: List[FreezeGroup] = field(default_factory=list)  # frozen: no gradients, no optimizer state
@@ -375,6 +378,12 @@ def validate(cfg: DictConfig, world_size: int) -> K3Config:
     need(cfg.optim.lr > 0, f"optim.lr must be > 0, got {cfg.optim.lr}")
     need(cfg.logging.every >= 1, f"logging.every must be >= 1, got {cfg.logging.every}")
     need(cfg.checkpoint.every >= 0, f"checkpoint.every must be >= 0 (0 = only at the end), got {cfg.checkpoint.every}")
+    need(
+        t.activation_checkpointing or not t.activation_offload,
+        "train.activation_offload=true offloads activation checkpoints: set train.activation_checkpointing=true too",
+    )
+    for key in ("loss_tile_tokens", "ffn_tile_tokens"):
+        need(t[key] >= 0, f"train.{key} must be >= 0 (0 = untiled), got {t[key]}")
     need(t.max_bad_steps >= 0, f"train.max_bad_steps must be >= 0 (0 = never stop), got {t.max_bad_steps}")
     vision = sorted({str(g) for g in t.freeze} & {"vision_tower", "mm_projector"})
     need(

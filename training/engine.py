@@ -182,10 +182,24 @@ def initialize(
         kwargs["model_parameters"] = (
             groups if groups is not None else param_groups(model, float(cfg.schedule.weight_decay))
         )
-    engine, optimizer, _, scheduler = deepspeed.initialize(**kwargs)
+    with autoep_sequence_parallel(cfg, ds_config):
+        engine, optimizer, _, scheduler = deepspeed.initialize(**kwargs)
     keep_zero0_grad_norm(engine)
     share_zero3_master_weights(engine)
     return engine, optimizer, scheduler
+
+
+def autoep_sequence_parallel(cfg: DictConfig, ds_config: dict[str, Any]):
+    """ZeRO-3 + EP + SP: the scope in which DeepSpeed accepts AutoEP layers with sequence parallelism
+    (training/parallel/autoep_sp.py); a no-op context for every other layout."""
+    import contextlib
+
+    zero3 = int((ds_config.get("zero_optimization") or {}).get("stage", 0)) == 3
+    if zero3 and int(cfg.parallel.ep_size) > 1 and int(ds_config.get("sequence_parallel_size", 1) or 1) > 1:
+        from training.parallel.autoep_sp import allow_sequence_parallel
+
+        return allow_sequence_parallel()
+    return contextlib.nullcontext()
 
 
 def share_zero3_master_weights(engine) -> int:

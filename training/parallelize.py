@@ -23,8 +23,10 @@ Layouts (world W ranks, expert parallelism P = `parallel.ep_size`, expert-data p
   * S = `parallel.sp_size` > 1 (Ulysses): groups of S consecutive ranks share their rows and split each sequence
     (training/parallel/ulysses.py, DeepSpeed's sequence-parallel mpu and all-to-all); the mixers get the seam
     `model.set_sequence_shard`. Every rank still routes only its own tokens, so EP and the balancer see S x as
-    many data-parallel ranks, each with T/S tokens. AutoEP + ZeRO-3 refuses SP, so ZeRO-3 + SP (P = 1) leaves
-    the experts as plain parameters partitioned over all ranks.
+    many data-parallel ranks, each with T/S tokens. ZeRO-3 + EP + SP keeps the AutoEP presentation; DeepSpeed's
+    assertion against SP there is lifted for one `deepspeed.initialize` (training/parallel/autoep_sp.py says why
+    partition groups, expert groups, gradient averaging and norms hold). ZeRO-3 + SP at P = 1 leaves the experts
+    as plain parameters partitioned over all ranks.
 `check_layout` refuses, before any process group exists, what DeepSpeed 0.19.8 cannot do with AutoEP + ZeRO-3.
 """
 
@@ -55,7 +57,9 @@ class LayoutError(ValueError):
 # --- refusals (before any process group) ------------------------------------------------------------------------
 def check_layout(zero_stage: int, ep_size: int, ds_config: dict[str, Any]) -> None:
     """Raise LayoutError for combinations DeepSpeed 0.19.8 refuses with AutoEP + ZeRO-3 (engine.
-    `_validate_zero3_moe_compatibility`, `_save_moe_checkpoint`): here they fail in a second, not after start-up."""
+    `_validate_zero3_moe_compatibility`, `_save_moe_checkpoint`): here they fail in a second, not after start-up.
+    Sequence parallelism is the exception it lifts (training/parallel/autoep_sp.py), while the DeepSpeed sources
+    that reasoning reads are the reviewed ones."""
     z = ds_config.get("zero_optimization", {}) or {}
     sp = int(ds_config.get("sequence_parallel_size", 1) or 1)
     if zero_stage == 3 and sp > 1 and z.get("reduce_scatter") is False:
@@ -66,11 +70,15 @@ def check_layout(zero_stage: int, ep_size: int, ds_config: dict[str, Any]) -> No
     if zero_stage != 3 or ep_size <= 1:
         return
     what = f"ZeRO-3 with parallel.ep_size={ep_size}"
-    if sp > 1:
-        raise LayoutError(
-            f"{what} cannot use parallel.sp_size={sp} (DeepSpeed AutoEP + ZeRO-3 "
-            "refuses sequence parallelism); use deepspeed=zero2 with EP, or parallel.ep_size=1 with ZeRO-3"
-        )
+    if sp > 1:  # DeepSpeed asserts against it; training/parallel/autoep_sp.py lifts that for the reviewed sources
+        from training.parallel.autoep_sp import DEEPSPEED_VERSION, contract_drift
+
+        drift = contract_drift()
+        if drift:
+            raise LayoutError(
+                f"{what} and parallel.sp_size={sp} relies on DeepSpeed {DEEPSPEED_VERSION} internals that changed "
+                f"({', '.join(drift)}); re-verify training/parallel/autoep_sp.py, or use deepspeed=zero2 with EP"
+            )
     if int(z.get("zero_hpz_partition_size", 1) or 1) > 1:
         raise LayoutError(
             f"{what} cannot use hpZ (zero_hpz_partition_size>1, refused by DeepSpeed AutoEP + ZeRO-3); "

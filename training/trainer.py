@@ -106,7 +106,9 @@ class Trainer:
             expert_files=bool(resume_from and checkpoint.has_expert_files(resume_from)),
             sp_size=int(cfg.parallel.sp_size),
         )
-        self.model.set_gradient_checkpointing(bool(t.activation_checkpointing))
+        self.model.set_gradient_checkpointing(bool(t.activation_checkpointing), offload=bool(t.activation_offload))
+        self.model.set_loss_tiling(int(t.loss_tile_tokens))  # tiled logits + CE: no [T, V] logits (model/loss.py)
+        self.model.set_ffn_tiling(int(t.ffn_tile_tokens))  # FFN recompute over sequence tiles (model/ffn.py)
         self.frozen_params = freeze(self.model, [str(g) for g in t.freeze])  # before the optimizer sees them
         if mcfg.vision_config is not None and self.is_main:  # never silent: the tower is not trained (yet)
             print(

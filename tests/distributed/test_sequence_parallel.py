@@ -7,6 +7,9 @@ Jobs (tiny_ci: one KDA and one MLA layer, MoE; seq_len 1024 packed from the embe
             tokens and routes them to the experts of both ranks)
   sp2_kill  like sp2_ep2, SIGKILLed right after step 6, then resumed with checkpoint.resume=auto
   sp2_z3    2 ranks parallel=sp2 deepspeed=zero3 (EP=1: experts partitioned as plain parameters)
+  sp2_ep2_z3  2 ranks parallel=sp2 parallel.ep_size=2 deepspeed=zero3 (AutoEP placement, issue 24:
+            training/parallel/autoep_sp.py), with the tiled loss and FFN on (train.loss_tile_tokens,
+            train.ffn_tile_tokens: their ZeRO-3 gathers in forward and recompute), against the untiled reference
 Plus the model seam alone (tests/distributed/sequence_shard_worker.py: float64, logits and every gradient) and the
 one-line refusals.
 """
@@ -35,6 +38,14 @@ BASE = [
 REF = [*BASE, "deepspeed=zero0"]
 SP2_EP2 = [*BASE, "parallel=sp2", "parallel.ep_size=2", "deepspeed=zero2"]
 SP2_Z3 = [*BASE, "parallel=sp2", "deepspeed=zero3"]
+SP2_EP2_Z3 = [
+    *BASE,
+    "parallel=sp2",
+    "parallel.ep_size=2",
+    "deepspeed=zero3",
+    "train.loss_tile_tokens=96",  # 512 tokens per rank: 6 tiles, the last ragged
+    "train.ffn_tile_tokens=100",
+]
 
 
 def _metric(run: RunResult, key: str) -> dict[int, float]:
@@ -49,10 +60,12 @@ def jobs(runs_root) -> dict[str, RunResult]:
         ep2 = pool.submit(run_training, root / "sp2_ep2", SP2_EP2, 2)
         kill = pool.submit(run_training, root / "sp2_kill", SP2_EP2, 2, {"K3_FAULT_KILL_AT_STEP": str(KILL_AT)})
         out = {"ref": must_succeed(ref.result()), "sp2_ep2": must_succeed(ep2.result()), "killed": kill.result()}
-    with ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(3) as pool:
         resumed = pool.submit(run_training, root / "sp2_kill", [*SP2_EP2, "checkpoint.resume=auto"], 2)
         z3 = pool.submit(run_training, root / "sp2_z3", SP2_Z3, 2)
+        z3ep = pool.submit(run_training, root / "sp2_ep2_z3", SP2_EP2_Z3, 2)
         out["resumed"], out["sp2_z3"] = must_succeed(resumed.result()), must_succeed(z3.result())
+        out["sp2_ep2_z3"] = must_succeed(z3ep.result())
     return out
 
 
@@ -96,9 +109,28 @@ def test_sp2_with_zero3_matches_one_rank(jobs):
     _close(jobs["sp2_z3"], jobs["ref"], "grad_norm")
 
 
+def test_sp2_with_ep2_and_zero3_losses_match_one_rank_zero0_within_1e_5(jobs):
+    _close(jobs["sp2_ep2_z3"], jobs["ref"], "loss")
+
+
+def test_sp2_with_ep2_and_zero3_grad_norms_match_one_rank_zero0_within_1e_5(jobs):
+    _close(jobs["sp2_ep2_z3"], jobs["ref"], "grad_norm")
+
+
+def test_sp2_with_ep2_and_zero3_partitions_experts_over_the_expert_data_parallel_group(jobs):
+    """DeepSpeed's AutoEP placement under SP: zero3_partitioned shards, rank 1 holding experts [2, 4) of 4."""
+    import torch
+
+    tag = jobs["sp2_ep2_z3"].run_dir / "checkpoints" / f"step_{STEPS:08d}"
+    meta = torch.load(tag / "zero_pp_rank_1_mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    assert [(m["checkpoint_format"], m["ep_rank"], m["global_expert_start"]) for m in meta["ds_autoep_layers"]] == [
+        ("zero3_partitioned", 1, 2)
+    ]
+
+
 def test_sp2_counts_every_token_once_in_the_router_statistics(jobs):
     """tokens per expert summed over experts = tokens x top-k, as in the 1-rank run."""
-    for run in (jobs["sp2_ep2"], jobs["sp2_z3"]):
+    for run in (jobs["sp2_ep2"], jobs["sp2_z3"], jobs["sp2_ep2_z3"]):
         assert _metric(run, "tokens") == _metric(jobs["ref"], "tokens")
         got = [r for r in run.metrics if any(k.startswith("router/") for k in r)]
         want = [r for r in jobs["ref"].metrics if any(k.startswith("router/") for k in r)]

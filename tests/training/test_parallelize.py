@@ -19,7 +19,6 @@ Z3EP = ["deepspeed=zero3", "parallel.ep_size=2"]
 @pytest.mark.parametrize(
     "extra,needle,alternative",
     [
-        (["+deepspeed.extra.sequence_parallel_size=2"], "sequence parallelism", "deepspeed=zero2"),
         (["+deepspeed.extra.zero_optimization.zero_hpz_partition_size=2"], "hpZ", "parallel.ep_size=1"),
         (["+deepspeed.extra.zero_optimization.zero_quantized_gradients=true"], "qgZ/LoCo", "drop"),
         (["+deepspeed.extra.zero_optimization.zeropp_loco_param={err_beta: 0.8}"], "qgZ/LoCo", "drop"),

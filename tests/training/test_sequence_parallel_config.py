@@ -46,9 +46,11 @@ def test_heads_must_be_divisible_by_sp_size(over, what):
         validate(compose([*TINY, "parallel=sp2", *over]), 2)
 
 
-def test_autoep_zero3_with_sequence_parallelism_is_refused_naming_the_alternatives():
-    with pytest.raises(TrainConfigError, match=r"ZeRO-3 with parallel.ep_size=2 cannot use parallel.sp_size=2.*zero2"):
-        validate(compose([*TINY, "parallel=sp2", "parallel.ep_size=2", "deepspeed=zero3"]), 2)
+def test_zero3_with_sequence_parallelism_still_needs_reduce_scatter_with_or_without_experts():
+    for ep in ("parallel.ep_size=1", "parallel.ep_size=2"):
+        over = [*TINY, "parallel=sp2", ep, "deepspeed=zero3", "+deepspeed.extra.zero_optimization.reduce_scatter=false"]
+        with pytest.raises(TrainConfigError, match=r"needs zero_optimization.reduce_scatter=true"):
+            validate(compose(over), 2)
 
 
 def test_the_refusals_exit_non_zero_in_one_line_before_any_rank_starts(tmp_path):

@@ -41,16 +41,17 @@ def mla_elements(c: K3Config, seq_len: int, attention: str) -> tuple[float, floa
     return a, f
 
 
-def glu_elements(d: int, inter: int) -> tuple[float, float]:
-    """SiTU-GLU FFN: input x (A), product into down_proj (A), six fp32 SiTU/cap intermediates."""
-    return d + inter, 6.0 * inter
+def glu_elements(d: int, inter: int, tile_frac: float = 1.0) -> tuple[float, float]:
+    """SiTU-GLU FFN: input x (A), product into down_proj (A), six fp32 SiTU/cap intermediates. `tile_frac` < 1
+    (`train.ffn_tile_tokens`, model/ffn.py): only one tile of tokens holds the [inter] activations at a time."""
+    return d + inter * tile_frac, 6.0 * inter * tile_frac
 
 
-def moe_elements(c: K3Config) -> tuple[float, float]:
+def moe_elements(c: K3Config, tile_frac: float = 1.0) -> tuple[float, float]:
     """LatentMoE: x, router scores/top-k bookkeeping, latent z and u (+ its norm), shared experts. The routed
     experts recompute their internals in backward (custom autograd), so they keep only z."""
     d, E, k, l = c.hidden_size, c.num_experts, c.num_experts_per_token, c.routed_expert_hidden_size
-    sa, sf = glu_elements(d, c.num_shared_experts * c.moe_intermediate_size)  # includes x (d)
+    sa, sf = glu_elements(d, c.num_shared_experts * c.moe_intermediate_size, tile_frac)  # includes x (d)
     _, nf = _norm(l)
     # A: latent z and the normed u into up-proj; F: router scores + top-k/sort bookkeeping, u's norm
     return sa + 2 * l, sf + 3 * E + 6 * k + 1 + nf
@@ -94,8 +95,11 @@ def attn_res_elements(n_candidates: int) -> float:
     return 4.0 * n_candidates if n_candidates else 0.0
 
 
-def activation_elements(c: K3Config, seq_len: int, attention: str = "flash") -> dict[str, tuple[float, float]]:
-    """(A, F) elements per token by component, without activation checkpointing."""
+def activation_elements(
+    c: K3Config, seq_len: int, attention: str = "flash", tile_frac: float = 1.0, loss_tiled: bool = False
+) -> dict[str, tuple[float, float]]:
+    """(A, F) elements per token by component, without activation checkpointing; `tile_frac`: the FFN tiling's
+    share of tokens holding intermediates, `loss_tiled`: no logits kept (model/loss.py)."""
     d = c.hidden_size
     types = c.layer_types
     comp: dict[str, list[float]] = {
@@ -115,7 +119,7 @@ def activation_elements(c: K3Config, seq_len: int, attention: str = "flash") -> 
         )
         add(
             "moe" if c.is_moe_layer(i) else "dense_ffn",
-            moe_elements(c) if c.is_moe_layer(i) else glu_elements(d, c.intermediate_size),
+            moe_elements(c, tile_frac) if c.is_moe_layer(i) else glu_elements(d, c.intermediate_size, tile_frac),
         )
         n_attn, n_mlp = sizes.layers[i]
         # mixer input (mix output or residual), two norms, partial sums after each sublayer, mlp mix output
@@ -123,18 +127,26 @@ def activation_elements(c: K3Config, seq_len: int, attention: str = "flash") -> 
         add("norms_residual", (a, 2 * (d + 1) + attn_res_elements(n_attn) + attn_res_elements(n_mlp)))
     n_out = sizes.output
     # output mix + final norm + normed hidden into lm_head + logits kept by the loss + per-token lse/target
-    add("head_loss", (d * (1 if c.attn_res_enabled else 0) + d + c.vocab_size, d + 1 + attn_res_elements(n_out) + 3))
+    logits = 0 if loss_tiled else c.vocab_size
+    add("head_loss", (d * (1 if c.attn_res_enabled else 0) + d + logits, d + 1 + attn_res_elements(n_out) + 3))
     return {k: (v[0], v[1]) for k, v in comp.items()}
 
 
-def loss_backward_bytes(c: K3Config, micro_batch: int, seq_len: int, act_bytes: int = 2, sp_size: int = 1) -> float:
+def loss_backward_bytes(
+    c: K3Config, micro_batch: int, seq_len: int, act_bytes: int = 2, sp_size: int = 1, loss_tile: int = 0
+) -> float:
     """Transient bytes of the loss backward, the first thing backward runs, while every activation is still live:
     the logits gradient (activation dtype, [tokens, V]) plus one fp32 chunk of recomputed softmax (model/k3.py's
-    chunked cross-entropy: at most `_ce_chunk_rows(V)` rows at a time)."""
+    chunked cross-entropy: at most `_ce_chunk_rows(V)` rows at a time). Tiled (`loss_tile` tokens, model/loss.py):
+    the hidden-state gradient, the lm_head weight gradient (accumulated in place) and one tile's logits, their
+    fp32 upcast (bf16) and fp32 softmax."""
     from model.k3 import _ce_chunk_rows
 
     tokens = micro_batch * seq_len // sp_size
-    V = c.vocab_size
+    V, d = c.vocab_size, c.hidden_size
+    if loss_tile > 0:
+        tile = min(tokens, loss_tile) * V * (8.0 + (act_bytes if act_bytes < 4 else 0))
+        return (tokens + V) * d * act_bytes + tile
     return tokens * V * act_bytes + min(tokens, _ce_chunk_rows(V)) * V * 4.0
 
 
@@ -155,16 +167,22 @@ def activation_bytes(
     checkpointing: bool = False,
     attention: str = "flash",
     sp_size: int = 1,
+    ffn_tile: int = 0,
+    loss_tile: int = 0,
+    offload: bool = False,
 ) -> dict[str, float]:
     """Bytes kept for backward by one micro-batch [micro_batch, seq_len], by component, plus `total`; with
-    `sp_size` > 1 one sequence-parallel rank's share (its micro_batch * seq_len / sp_size tokens).
+    `sp_size` > 1 one sequence-parallel rank's share (its micro_batch * seq_len / sp_size tokens). `ffn_tile`,
+    `loss_tile`: train.ffn_tile_tokens / loss_tile_tokens; `offload` (train.activation_offload, with
+    checkpointing): the layer inputs live in host memory, reported as `host_layer_inputs` outside `total`.
 
     With per-decoder-layer checkpointing only each layer's inputs stay (the new partial sum, d per token per layer;
     completed AttnRes blocks are shared) plus embedding and head/loss, and backward recomputes one layer at a time:
     + the largest single layer's activations.
     """
     tokens = micro_batch * seq_len / sp_size
-    el = activation_elements(c, seq_len, attention)
+    frac = min(1.0, ffn_tile / tokens) if ffn_tile > 0 else 1.0
+    el = activation_elements(c, seq_len, attention, frac, loss_tile > 0)
     if sp_size > 1:
         el["sequence_parallel"] = sequence_parallel_extra(c, sp_size)
     b = {k: tokens * (a * act_bytes + f * 4) for k, (a, f) in el.items()}
@@ -173,7 +191,7 @@ def activation_bytes(
         per_layer = []
         for i, kind in enumerate(c.layer_types):
             mix = kda_elements(c, seq_len) if kind == "kda" else mla_elements(c, seq_len, attention)
-            ffn = moe_elements(c) if c.is_moe_layer(i) else glu_elements(c.hidden_size, c.intermediate_size)
+            ffn = moe_elements(c, frac) if c.is_moe_layer(i) else glu_elements(c.hidden_size, c.intermediate_size, frac)
             per_layer.append(tokens * ((mix[0] + ffn[0]) * act_bytes + (mix[1] + ffn[1]) * 4))
         kept = {
             "embedding": b["embedding"],
@@ -183,4 +201,7 @@ def activation_bytes(
         }
         b = kept
     b["total"] = sum(b.values())
+    if checkpointing and offload:
+        b["host_layer_inputs"] = b.pop("layer_inputs")
+        b["total"] -= b["host_layer_inputs"]
     return b

@@ -5,8 +5,7 @@ assumptions under `plan.*` (nodes, gpus_per_node, gpu_memory_gb, cpu_memory_gb, 
 nvlink_gbps, a2a_overlap, dp_overlap, reserve_gb, attention, out, format) and prints a table (and JSON) of:
 parameters per GPU (dense vs expert shares), gradient and optimizer-state memory under the ZeRO stage and
 offload, activation memory of one micro-batch (training/tools/activation_memory.py), total vs GPU memory, FLOPs per
-token
-(training.metrics.flops, the trainer's MFU formula), all-to-all bytes per step per GPU, step time and tokens/s.
+token (training.metrics.flops, the trainer's MFU formula), all-to-all bytes per step per GPU, step time and tokens/s.
 Memory is in GB (1e9 bytes). Formulas and a worked K3 example: docs/planning.md.
 """
 
@@ -59,6 +58,9 @@ class Layout:
     seq_len: int = 4096
     grad_accum: int = 1
     activation_checkpointing: bool = False
+    activation_offload: bool = False  # checkpointed layer inputs in host memory (model/offload.py)
+    loss_tile_tokens: int = 0  # tiled logits + CE (model/loss.py)
+    ffn_tile_tokens: int = 0  # dense FFN / shared experts over sequence tiles (model/ffn.py)
     precision: str = "bf16"  # bf16 | fp32
     reduce_bucket_size: int = DeepSpeedSection.reduce_bucket_size
     overlap_comm: bool = False
@@ -225,11 +227,13 @@ def plan(
     if z == 0:  # no ZeRO buckets: engine.allreduce_gradients flattens at most MEMORY_OPT_ALLREDUCE_SIZE grads at once
         gpu["comm_buckets"] = min(g_local, ZERO0_ALLREDUCE_ELEMENTS) * per["grads"] if W > 1 else 0.0
     act_b = 2 if layout.precision == "bf16" else 4
+    mb, T, tiles = layout.micro_batch_size, layout.seq_len, (layout.ffn_tile_tokens, layout.loss_tile_tokens)
     acts = activation_bytes(
-        config, layout.micro_batch_size, layout.seq_len, act_b, layout.activation_checkpointing, hw.attention, sp
+        config, mb, T, act_b, layout.activation_checkpointing, hw.attention, sp, *tiles, layout.activation_offload
     )
     gpu["activations"] = acts["total"]
-    gpu["loss_backward"] = loss_backward_bytes(config, layout.micro_batch_size, layout.seq_len, act_b, sp)
+    cpu_per_gpu += acts.get("host_layer_inputs", 0.0)
+    gpu["loss_backward"] = loss_backward_bytes(config, mb, T, act_b, sp, layout.loss_tile_tokens)
     gpu["reserve"] = hw.reserve_gb * GB
     gpu_total = peak_bytes(gpu, grads_persist=grads_persist(layout))
 
@@ -255,13 +259,11 @@ def plan(
 
     # data-parallel gradient traffic: ring reduce-scatter + all-gather = 2 (g-1)/g of the bytes (ZeRO-3: 3)
     factor = 3.0 if z == 3 else 2.0
-    # gradients travel in the parameters' dtype (DeepSpeed's default communication_data_type), whatever they
-    # accumulate in
+    # gradients travel in the parameters' dtype (DeepSpeed's communication_data_type), whatever they accumulate in
     wire = per["weights"]
     dp_dense_b = factor * (dp_dense - 1) / dp_dense * params["dense"] * wire
     dp_exp_b = factor * (dp_expert - 1) / dp_expert * params["expert"] * wire if dp_expert > 1 else 0.0
-    # a ring over a group that spans nodes runs at the network's rate: the dense group is every rank, and an
-    # expert-data-parallel group (ranks r, r + e, r + 2e, ...) spans every node too
+    # a ring over a group spanning nodes runs at the network's rate: the dense group, and an expert-data group
     bw = hw.net_gbps if hw.nodes > 1 else hw.nvlink_gbps
     dp_s = (dp_dense_b + dp_exp_b) * 8 / (bw * 1e9)
     step_s = compute_s + (1 - hw.a2a_overlap) * a2a_s + sp_s + (1 - hw.dp_overlap) * dp_s
@@ -455,6 +457,9 @@ def from_overrides(argv: Sequence[str]) -> tuple[Any, Layout, Hardware, dict[str
         seq_len=int(cfg.train.seq_len),
         grad_accum=int(cfg.train.grad_accum),
         activation_checkpointing=bool(cfg.train.activation_checkpointing),
+        activation_offload=bool(cfg.train.activation_offload),
+        loss_tile_tokens=int(cfg.train.loss_tile_tokens),
+        ffn_tile_tokens=int(cfg.train.ffn_tile_tokens),
         precision=precision,
         reduce_bucket_size=int(cfg.deepspeed.reduce_bucket_size),
         overlap_comm=bool(cfg.deepspeed.overlap_comm),
