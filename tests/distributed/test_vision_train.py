@@ -29,9 +29,7 @@ def vlm_runs(runs_root):
     """(2 ranks EP=2 + ZeRO-2, 1 process GA=2): the same 4-row global batches."""
     with ThreadPoolExecutor(2) as pool:
         two = pool.submit(run_training, runs_root / "vlm_ep2", [*VLM, "parallel=ep2", "train.grad_accum=1"])
-        one = pool.submit(
-            run_training, runs_root / "vlm_one", [*VLM, "train.grad_accum=2"], nproc=1, launcher=False
-        )
+        one = pool.submit(run_training, runs_root / "vlm_one", [*VLM, "train.grad_accum=2"], nproc=1, launcher=False)
         return must_succeed(two.result()), must_succeed(one.result())
 
 
