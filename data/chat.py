@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
@@ -58,13 +59,24 @@ class ChatRowError(Exception):
         self.kind = kind
 
 
-def _parts(content: list, images: ImageRules | None) -> list[tuple[str, Any]]:
-    """[("text", str) | ("image", PreparedImage)] of a content list; ChatRowError for a bad part or image."""
+@dataclass
+class ChatDoc:
+    """A rendered conversation with images: its segments and the prepared images, in placeholder order."""
+
+    segments: list[Segment]
+    images: list[PreparedImage]
+
+
+def _parts(content: list, images: ImageRules | None, drop_images: bool = False) -> list[tuple[str, Any]]:
+    """[("text", str) | ("image", PreparedImage)] of a content list; ChatRowError for a bad part or image.
+    `drop_images`: image parts are left out undecoded (tokenizer training reads the text only)."""
     out: list[tuple[str, Any]] = []
     for p in content:
         if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str):
             out.append(("text", p["text"]))
         elif isinstance(p, dict) and p.get("type") == "image":
+            if drop_images:
+                continue
             if images is None:
                 raise ChatRowError("bad_message", "an image part, but the model has no vision tower")
             try:
@@ -76,7 +88,7 @@ def _parts(content: list, images: ImageRules | None) -> list[tuple[str, Any]]:
     return out
 
 
-def normalize_messages(obj: Any, images: ImageRules | None = None) -> list[dict]:
+def normalize_messages(obj: Any, images: ImageRules | None = None, drop_images: bool = False) -> list[dict]:
     """Validate a conversation; returns messages with string content (text parts joined) and, where it has images
     (decoded with `images`' rules), `parts` in order. Raises ChatRowError."""
     if not isinstance(obj, list) or not obj:
@@ -89,7 +101,7 @@ def normalize_messages(obj: Any, images: ImageRules | None = None) -> list[dict]
             raise ChatRowError("unknown_role", f"role {m['role']!r} is not one of {ROLES}")
         content, parts = m["content"], None
         if isinstance(content, list):
-            parts = _parts(content, images)
+            parts = _parts(content, images, drop_images)
             content = "".join(v for k, v in parts if k == "text")
         if not isinstance(content, str):
             raise ChatRowError("bad_message", "content is not text")

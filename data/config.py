@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-SOURCE_TYPES = ("embedded", "jsonl", "json", "text", "parquet", "hub")
+SOURCE_TYPES = ("embedded", "jsonl", "json", "text", "parquet", "hub", "synthetic")
 SOURCE_FORMATS = ("text", "chat")
 TOKENIZER_TYPES = ("auto", "sentencepiece", "tiktoken")
 LONG_CONVERSATIONS = ("truncate", "drop")
@@ -44,7 +44,8 @@ class SourceConfig:
     weight: float = 1.0  # relative mixing weight (> 0)
     text_sample_by: str = "line"  # text: one document per line | paragraph (blank-line separated) | document (file)
     hub_config: Optional[str] = None  # hub: dataset config name
-    split: str = "train"  # hub: split name
+    split: str = "train"  # hub: split name; synthetic: train | eval (held-out records)
+    size: int = 4096  # synthetic: records per epoch (data/synthetic.py draws each one from (split, index))
 
 
 @dataclass
@@ -96,7 +97,7 @@ _NON_STREAM_TOKENIZER_FIELDS = ("num_threads", "model_path", "type")  # the toke
 _NON_STREAM_SOURCE_FIELDS = ("name",)
 # Fields added after v1 are left out of the fingerprint at their default, so older loader states still resume.
 _DEFAULT_ONLY = {"long_conversations": "truncate"}
-_SOURCE_DEFAULT_ONLY = {"format": "text", "messages_field": "messages"}
+_SOURCE_DEFAULT_ONLY = {"format": "text", "messages_field": "messages", "size": 4096}
 
 
 def coerce_config(cfg: Any) -> DataConfig:
@@ -144,6 +145,10 @@ def validate(cfg: DataConfig) -> None:
         need(
             s.text_sample_by in TEXT_SAMPLE_BY,
             f"data.sources[{i}].text_sample_by={s.text_sample_by!r} not in {TEXT_SAMPLE_BY}",
+        )
+        need(
+            s.type != "synthetic" or (s.format == "chat" and s.size >= 1),
+            f"data.sources[{i}] type synthetic is image-caption chat: set format: chat and size >= 1",
         )
         need(s.format in SOURCE_FORMATS, f"data.sources[{i}].format={s.format!r} is not one of {SOURCE_FORMATS}")
         need(

@@ -68,8 +68,12 @@ class GlobalBatchLoader:
         world_size: int = 1,
         seed: int = 0,
         loss_on: str = "assistant",
+        images=None,
     ):
+        """`images`: the vision tower's ImageRules (data/images.py); image parts of chat sources decode and pack
+        as their placeholder blocks, batches carry pixel_values/grid_thws. None: a text model (image rows skip)."""
         self.cfg = coerce_config(cfg)
+        self.images = images
         self.tokenizer = tokenizer
         if loss_on not in LOSS_ON:
             raise DataError(f"loss_on={loss_on!r} is not one of {LOSS_ON} (train.loss_on)")
@@ -102,6 +106,8 @@ class GlobalBatchLoader:
                 "format": self.renderer.name,
                 "template": digest(getattr(tokenizer, "chat_template", None) or ""),
             }
+            if images is not None:
+                fp["images"] = repr(images)
         self.fingerprint = digest(fp)
         self._step, self._micro_done, self._ptr = 0, 0, None  # next micro-batch to hand out
         self._stats: dict = {}
@@ -127,7 +133,7 @@ class GlobalBatchLoader:
 
     # -- pipeline -----------------------------------------------------------------------------------------------
     def _build_packer(self, ptr: Optional[dict]) -> tuple[Packer, DocumentMixer]:
-        mixer = DocumentMixer(self.cfg, self.seed, self.renderer, report=self.rank == 0)
+        mixer = DocumentMixer(self.cfg, self.seed, self.renderer, report=self.rank == 0, images=self.images)
         windows = ShuffledWindows(mixer, self.cfg.shuffle_buffer, self.seed)
         tok = self.tokenizer
         pad = tok.pad_id if tok.pad_id is not None else (tok.eos_id if tok.eos_id is not None else 0)
@@ -165,6 +171,7 @@ class GlobalBatchLoader:
                 **c,
                 "packing_efficiency": c["tokens"] / max(1, c["tokens"] + c["padding"]),
                 "loss_token_fraction": c["loss_tokens"] / max(1, c["tokens"]),
+                "image_token_fraction": c["image_tokens"] / max(1, c["tokens"]),
                 **mixer.stats(),
             }
             mine = rows[self.rank * share : (self.rank + 1) * share]
@@ -238,7 +245,8 @@ class GlobalBatchLoader:
         """Global pipeline counters as of the last returned micro-batch's step, plus this rank's tokens.
 
         Keys: step, rows, tokens, padding, packing_efficiency, documents, loss_tokens, loss_token_fraction
-        (tokens carrying loss / non-pad tokens), conversations, conversations_truncated, conversations_dropped,
+        (tokens carrying loss / non-pad tokens), images, image_tokens, image_token_fraction (`<|media_pad|>` /
+        non-pad tokens), conversations, conversations_truncated, conversations_dropped,
         records_read, skipped {kind: n}, skipped_total, source_docs, source_epochs, `<source>/skipped_<kind>`
         per source (the trainer logs numbers as data/<key>), rank_tokens."""
         return {**self._stats, "rank_tokens": self._rank_tokens}

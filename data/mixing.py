@@ -26,16 +26,17 @@ from data.sources import SKIP_REASONS, SourceStream
 _MIX_SALT = 0x6D6978  # "mix"
 _SHUFFLE_SALT = 0x736866  # "shf"
 _UNSHUFFLED_WINDOW = 256  # documents tokenized per batch when shuffling is off
-Doc = Union[str, list]  # a text document, or a chat conversation's segments (data/chat.py)
+Doc = Union[str, list, object]  # a text document, a chat conversation's segments, or a ChatDoc (with images)
 
 
 class DocumentMixer:
     """Endless (loop) or finite (stop) weighted interleaving of the source streams."""
 
-    def __init__(self, cfg: DataConfig, seed: int, renderer=None, report: bool = True):
+    def __init__(self, cfg: DataConfig, seed: int, renderer=None, report: bool = True, images=None):
         self.names = source_names(cfg)
         self.streams = [
-            SourceStream(s, i, cfg.max_bad_fraction, renderer, report, self.names[i]) for i, s in enumerate(cfg.sources)
+            SourceStream(s, i, cfg.max_bad_fraction, renderer, report, self.names[i], images)
+            for i, s in enumerate(cfg.sources)
         ]
         w = np.array([s.weight for s in cfg.sources], dtype=np.float64)
         self.cum_weights = np.cumsum(w / w.sum())

@@ -20,14 +20,15 @@ resets its state/conv there and MLA uses block-diagonal causal masks. The positi
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
 import torch
 
-from data.chat import encode_conversations
+from data.chat import ChatDoc, encode_conversations
 from data.config import DataError
+from data.images import MEDIA_BEGIN, MEDIA_END, PreparedImage, batch_images
 from data.mixing import ShuffledWindows
 
 IGNORE_INDEX = -100
@@ -42,6 +43,8 @@ _COUNTERS = (
     "conversations",
     "conversations_truncated",
     "conversations_dropped",
+    "images",
+    "image_tokens",
 )
 
 
@@ -51,6 +54,7 @@ class Row:
     starts: list[int]  # segment starts inside the row, first is 0, increasing
     n_valid: int  # tokens before the padding
     loss: Optional[np.ndarray] = None  # [T] bool: token is a loss target (None: every valid token)
+    images: list[PreparedImage] = field(default_factory=list)  # the row's images, in placeholder order
 
 
 @dataclass
@@ -59,6 +63,7 @@ class _Doc:
     loss: np.ndarray  # [n] bool
     chat: bool
     status: str = ""  # chat: "" | "truncated" | "dropped"
+    images: list[PreparedImage] = field(default_factory=list)  # whole image blocks inside `ids`, in order
 
 
 class Packer:
@@ -120,20 +125,33 @@ class Packer:
         for (k, _), ids in zip(texts, self.tokenizer.encode_batch([d for _, d in texts]) if texts else []):
             arr = np.asarray(self.prefix + ids + self.suffix, dtype=np.int32)
             out[k] = _Doc(arr, np.ones(len(arr), dtype=bool), False)
-        for (k, _), (ids, loss) in zip(
-            convs, encode_conversations(self.tokenizer, [d for _, d in convs], self.loss_on) if convs else []
+        segs = [d.segments if isinstance(d, ChatDoc) else d for _, d in convs]
+        for (k, d), (ids, loss) in zip(
+            convs, encode_conversations(self.tokenizer, segs, self.loss_on) if convs else []
         ):
             if self.prefix:
                 ids = np.concatenate([np.asarray(self.prefix, np.int32), ids])
                 loss = np.concatenate([np.asarray([self.loss_on == "all"]), loss])
-            doc = _Doc(ids, loss, True)
+            images = list(d.images) if isinstance(d, ChatDoc) else []
+            doc = _Doc(ids, loss, True, images=images)
             if len(ids) > self.seq_len:
                 if self.long_conversations == "drop":
                     doc = _Doc(ids[:0], loss[:0], True, "dropped")
                 else:
-                    doc = _Doc(ids[: self.seq_len], loss[: self.seq_len], True, "truncated")
+                    cut, kept = self._cut(ids, images)
+                    doc = _Doc(ids[:cut], loss[:cut], True, "truncated", images[:kept])
             out[k] = doc
         return out  # type: ignore[return-value]
+
+    def _cut(self, ids: np.ndarray, images: list[PreparedImage]) -> tuple[int, int]:
+        """(tokens kept, images kept) of a conversation cut to seq_len: never inside an image block, so a cut
+        that would fall in one ends the conversation before its `<|media_begin|>`."""
+        if not images:
+            return self.seq_len, 0
+        begins = np.flatnonzero(ids == self.tokenizer.token_to_id(MEDIA_BEGIN))
+        ends = np.flatnonzero(ids == self.tokenizer.token_to_id(MEDIA_END))
+        kept = int((ends < self.seq_len).sum())
+        return (int(begins[kept]) if kept < len(images) else self.seq_len), kept
 
     def _doc(self, j: int) -> _Doc:
         """Window document j; tokenized lazily in small batches so a restore re-encodes little."""
@@ -170,6 +188,7 @@ class Packer:
         row = np.full(T, self.pad_id, dtype=np.int32)
         loss = np.zeros(T, dtype=bool)
         starts: list[int] = []
+        images: list[PreparedImage] = []
         fill = 0
         c = self.counters
         while fill < T:
@@ -185,6 +204,9 @@ class Packer:
                 if doc.chat:
                     c["conversations"] += 1
                     c["conversations_truncated"] += doc.status == "truncated"
+                    images += doc.images  # a conversation is whole in its row: so are its image blocks
+                    c["images"] += len(doc.images)
+                    c["image_tokens"] += sum(im.num_tokens for im in doc.images)
             elif fill == 0:
                 starts.append(0)  # a row start inside a document
             take = min(T - fill, rem)
@@ -201,11 +223,13 @@ class Packer:
         c["tokens"] += fill
         c["padding"] += T - fill
         c["loss_tokens"] += int(loss.sum())
-        return Row(row, starts, fill, loss)
+        return Row(row, starts, fill, loss, images)
 
 
 def collate(rows: list[Row]) -> dict:
-    """Rows -> {input_ids [b,T] int64, labels [b,T] int64, cu_seqlens [n+1] int32, num_tokens int}.
+    """Rows -> {input_ids [b,T] int64, labels [b,T] int64, cu_seqlens [n+1] int32, num_tokens int}, plus
+    pixel_values [N, 3, p, p] float32 and grid_thws [n, 3] int64 when the rows hold images (row-major order, the
+    order the model scatters features into the `<|media_pad|>` positions of the flattened rows).
 
     Labels follow the HF convention (the model shifts: position t predicts labels[t+1]); they equal input_ids
     where the token is a loss target and -100 elsewhere: on padding, at every segment start (that label would be
@@ -223,9 +247,14 @@ def collate(rows: list[Row]) -> dict:
         labels_BT[i, r.starts] = IGNORE_INDEX
         bounds.extend(i * T + s for s in r.starts)
     bounds.append(b * T)
-    return {
+    out = {
         "input_ids": ids_BT,
         "labels": labels_BT,
         "cu_seqlens": torch.tensor(bounds, dtype=torch.int32),
         "num_tokens": int(sum(r.n_valid for r in rows)),
     }
+    images = [im for r in rows for im in r.images]
+    if images:
+        pixels, grids = batch_images(images)
+        out["pixel_values"], out["grid_thws"] = torch.from_numpy(pixels), torch.from_numpy(grids)
+    return out

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
-from data.chat import CHAT_SKIP_REASONS, ChatRowError, normalize_messages
+from data.chat import CHAT_SKIP_REASONS, ChatDoc, ChatRowError, conversation_images, normalize_messages
 from data.config import DataError, SourceConfig, file_digest
 
 TEXT_SKIP_REASONS = ("invalid_utf8", "malformed_json", "missing_field", "not_text", "empty")
@@ -43,7 +43,7 @@ def resolve_files(src: SourceConfig, index: int) -> list[str]:
         from data.corpus import default_corpus_path
 
         return [str(default_corpus_path())]
-    if src.type == "hub":
+    if src.type in ("hub", "synthetic"):
         return []
     path = os.path.expanduser(src.path)
     if glob.has_magic(path):
@@ -68,6 +68,8 @@ def source_identity(src: SourceConfig, files: list[str]) -> dict:
         return {"embedded_sha256": file_digest(files[0])}
     if src.type == "hub":
         return {"hub": src.path, "config": src.hub_config, "split": src.split}
+    if src.type == "synthetic":
+        return {"synthetic": src.path, "split": src.split, "size": src.size}
     base = os.path.commonpath([os.path.dirname(f) for f in files]) if files else ""
     return {"files": [[os.path.relpath(f, base), os.path.getsize(f)] for f in files]}
 
@@ -83,8 +85,10 @@ class SourceStream:
         renderer=None,
         report: bool = True,
         label: Optional[str] = None,
+        images=None,
     ):
         self.src, self.index, self.max_bad_fraction = src, index, max_bad_fraction
+        self.images = images  # the tower's ImageRules (data/images.py): image parts decode; None: a text model
         self.chat = src.format == "chat"
         self.renderer, self.report = renderer, report  # chat: segments when given, else validated messages
         self.files = resolve_files(src, index)
@@ -120,6 +124,13 @@ class SourceStream:
 
     # -- reading ------------------------------------------------------------------------------------------------
     def _open(self):
+        if self.src.type == "synthetic":
+            from data.synthetic import SyntheticCaptions
+
+            try:
+                return SyntheticCaptions(self.src.path, self.src.split, self.src.size)
+            except ValueError as e:
+                raise DataError(f"data.{self.name}: {e}") from None
         import datasets
 
         datasets.disable_progress_bars()
@@ -267,7 +278,11 @@ class SourceStream:
 
     def _parse_chat(self, messages: Any) -> tuple[Any, Optional[str]]:
         try:
-            msgs = normalize_messages(messages)
-            return (msgs if self.renderer is None else self.renderer.render(msgs)), None
+            msgs = normalize_messages(messages, self.images, drop_images=self.renderer is None)
+            if self.renderer is None:
+                return msgs, None
+            images = conversation_images(msgs)
+            segments = self.renderer.render(msgs)
+            return (ChatDoc(segments, images) if images else segments), None
         except ChatRowError as e:
             return None, e.kind

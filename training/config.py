@@ -28,6 +28,7 @@ from data import DataConfig, DataError, Tokenizer, load_tokenizer
 from data.config import coerce_config
 from data.tokenizer import detect_kind
 from model.config import ConfigError, K3Config, preset_names
+from model.presets import preset_vision
 
 
 class TrainConfigError(ValueError):
@@ -114,6 +115,9 @@ def _model_fields() -> list[tuple[str, Any, Any]]:
         ("init_from", Optional[str], field(default=None)),
     ]
     for f in dataclasses.fields(K3Config):
+        if f.name == "vision_config":  # true: the preset's tower; a mapping: VisionConfig fields; null: text-only
+            out.append((f.name, Any, field(default=None)))
+            continue
         out.append((f.name, Optional[_omegaconf_type(hints[f.name])], field(default=None)))
     return out
 
@@ -302,6 +306,10 @@ def build_model_config(cfg: DictConfig) -> K3Config:
             if lac:
                 overrides["linear_attn_config"] = {**base.linear_attn_config, **lac}
             return base.replace(**overrides) if overrides else base
+        vision = overrides.get("vision_config")
+        if isinstance(vision, dict):  # a mapping overrides fields of the preset's own tower
+            text = K3Config.preset(preset, **{k: v for k, v in overrides.items() if k != "vision_config"})
+            overrides["vision_config"] = {**preset_vision(preset, text.hidden_size).to_dict(), **vision}
         return K3Config.preset(preset, **overrides)
     except ConfigError as e:
         raise TrainConfigError(f"model: {e}") from None
@@ -387,10 +395,20 @@ def validate(cfg: DictConfig, world_size: int) -> K3Config:
     need(t.max_bad_steps >= 0, f"train.max_bad_steps must be >= 0 (0 = never stop), got {t.max_bad_steps}")
     vision = sorted({str(g) for g in t.freeze} & {"vision_tower", "mm_projector"})
     need(
-        not vision,
-        f"train.freeze={vision}: the trainer builds the text model (K3ForCausalLM) so far, which has no "
-        "vision_tower/mm_projector to freeze; freeze language_model or embeddings",
+        not vision or mcfg.vision_config is not None,
+        f"train.freeze={vision}: the model has no vision tower; set model.vision_config (or drop those groups)",
     )
+    if mcfg.vision_config is not None:  # the trainer builds K3ForConditionalGeneration (training/parallel/construct)
+        need(
+            ds.zero_stage != 3,
+            "a model with a vision tower trains under deepspeed=zero0|zero1|zero2 so far (the tower is not "
+            "partitioned by the sharded start); use deepspeed=zero2 or model.vision_config=null",
+        )
+        need(
+            par.sp_size == 1,
+            "images with parallel.sp_size > 1 are not supported yet; use parallel.sp_size=1 or "
+            "model.vision_config=null",
+        )
     need(cfg.checkpoint.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {cfg.checkpoint.keep_last}")
     r = cfg.checkpoint.resume
     if r not in ("auto", "none"):
@@ -447,7 +465,7 @@ def check_data_config(data: DictConfig) -> None:
             "train (and cache) the default tokenizer"
         )
     for i, src in enumerate(dcfg.sources):
-        if src.type in ("embedded", "hub"):
+        if src.type in ("embedded", "hub", "synthetic"):
             continue
         if not os.path.exists(src.path) and not glob.glob(src.path):
             raise TrainConfigError(f"data.sources[{i}].path={src.path} does not exist; fix the path or glob")

@@ -27,10 +27,14 @@ class MicroBatch:
     cu_seqlens: torch.Tensor
     n_targets: int
     targets_1N: torch.Tensor | None = None  # shifted already (sequence parallelism); else the model shifts labels
+    pixel_values: torch.Tensor | None = None  # [N, 3, p, p] patches of the rows' images, row-major (multimodal)
+    grid_thws: torch.Tensor | None = None  # [n_images, 3]
 
     def model_inputs(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """Keyword arguments of K3ForCausalLM.forward."""
+        """Keyword arguments of K3ForCausalLM.forward (and K3ForConditionalGeneration's, with images)."""
         out = {"input_ids": self.ids_1N.to(device), "cu_seqlens": self.cu_seqlens.to(device)}
+        if self.pixel_values is not None and self.grid_thws is not None:
+            out["pixel_values"], out["grid_thws"] = self.pixel_values.to(device), self.grid_thws.to(device)
         if self.targets_1N is not None:
             out["targets"] = self.targets_1N.to(device)
         else:
@@ -50,7 +54,8 @@ def pack_microbatch(mb: dict[str, Any], sp_size: int = 1, sp_rank: int = 0) -> M
     cu = torch.as_tensor(mb["cu_seqlens"], dtype=torch.int64)
     targets_1N = shift_targets(labels_1N, cu)
     if sp_size == 1:
-        return MicroBatch(ids_1N, labels_1N, cu, int((targets_1N != IGNORE_INDEX).sum()))
+        n = int((targets_1N != IGNORE_INDEX).sum())
+        return MicroBatch(ids_1N, labels_1N, cu, n, None, mb.get("pixel_values"), mb.get("grid_thws"))
     n = ids_1N.shape[1] // sp_size
     mine = slice(sp_rank * n, (sp_rank + 1) * n)
     local_1n = targets_1N[:, mine]

@@ -21,6 +21,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from data import GlobalBatchLoader, Tokenizer, atomic_write, prepare_tokenizer
+from data.images import MEDIA_PAD, ImageRules
 from model import K3Config
 from training import balance, checkpoint
 from training.callbacks import CallbackList, default_callbacks, load_callback
@@ -41,6 +42,14 @@ from training.metrics import RunLogger, flops_per_token, peak_flops
 from training.parallel.construct import build_model
 from training.parallel.ulysses import gradient_averaging_ranks
 from training.step import StepResult, pack_microbatch
+
+
+def image_rules(mcfg: K3Config) -> ImageRules | None:
+    """The data pipeline's image geometry from the model's tower (None: a text model, image rows are skipped)."""
+    v = mcfg.vision_config
+    if v is None:
+        return None
+    return ImageRules(v.patch_size, v.merge_kernel_size[0], v.in_patch_limit, v.patch_limit_per_side)
 
 
 def seed_everything(seed: int) -> None:
@@ -88,8 +97,10 @@ class Trainer:
         self.global_rows = global_batch_rows(cfg, self.world)
         self.callbacks = CallbackList([*default_callbacks(), *(load_callback(p) for p in cfg.callbacks)])
         seed_everything(int(t.seed))
-        self._write_run_files()
+        self.ds_config = build_ds_config(cfg, self.world)
         self.tokenizer = self._prepare_tokenizer()
+        self.mcfg = mcfg = self._media_id(mcfg)
+        self._write_run_files()
 
         # --- model: built sharded and laid out by training/parallel (each rank only what it owns), engine -------
         resume_from = checkpoint.resume_dir(
@@ -110,12 +121,6 @@ class Trainer:
         self.model.set_loss_tiling(int(t.loss_tile_tokens))  # tiled logits + CE: no [T, V] logits (model/loss.py)
         self.model.set_ffn_tiling(int(t.ffn_tile_tokens))  # FFN recompute over sequence tiles (model/ffn.py)
         self.frozen_params = freeze(self.model, [str(g) for g in t.freeze])  # before the optimizer sees them
-        if mcfg.vision_config is not None and self.is_main:  # never silent: the tower is not trained (yet)
-            print(
-                "model: the config has a vision tower; this trainer builds and trains its text model only "
-                "(vision tensors are neither trained nor exported: docs/model.md §14)",
-                flush=True,
-            )
         groups = self.ep.param_groups(self.model, param_groups(self.model, float(cfg.schedule.weight_decay)))
         self.reducer = self.ep.stats_reducer()
         self.grad_ranks = gradient_averaging_ranks(self.world, self.ep.sp_size, int(cfg.deepspeed.zero_stage))
@@ -142,6 +147,7 @@ class Trainer:
             self.dp,
             int(t.seed),
             loss_on=str(t.loss_on),
+            images=image_rules(mcfg),
         )
         self.flops_per_token = flops_per_token(mcfg, int(t.seq_len), training=True)
         self.peak = peak_flops()  # per device; on CPU the machine's measured fp32 matmul peak
@@ -177,9 +183,30 @@ class Trainer:
         }
         return out
 
+    def _media_id(self, mcfg: K3Config) -> K3Config:
+        """With a vision tower, `<|media_pad|>` must be the tokenizer's: a fresh model whose config does not set
+        `model.media_placeholder_token_id` takes the tokenizer's id (said in one line); otherwise they must agree."""
+        if mcfg.vision_config is None:
+            return mcfg
+        tid = self.tokenizer.token_to_id(MEDIA_PAD)
+        if tid is None:
+            raise TrainConfigError(
+                "a model with a vision tower needs a tokenizer with <|media_pad|>: use data.tokenizer.type=tiktoken "
+                "(K3's layout) or the checkpoint's own tokenizer"
+            )
+        if tid == mcfg.media_placeholder_token_id:
+            return mcfg
+        if self.cfg.model.media_placeholder_token_id is None and not self.cfg.model.init_from:
+            if self.is_main:
+                print(f"model: media_placeholder_token_id={tid} (the tokenizer's <|media_pad|>)", flush=True)
+            return mcfg.replace(media_placeholder_token_id=tid)
+        raise TrainConfigError(
+            f"model.media_placeholder_token_id={mcfg.media_placeholder_token_id} but the tokenizer's <|media_pad|> "
+            f"is {tid}; set model.media_placeholder_token_id={tid} or use the checkpoint's own tokenizer"
+        )
+
     def _write_run_files(self) -> None:
-        """Rank 0: resolved config, the generated DeepSpeed JSON and the model config; everyone waits."""
-        self.ds_config = build_ds_config(self.cfg, self.world)
+        """Rank 0: resolved config, the generated DeepSpeed JSON and the model config."""
         if self.is_main:
             os.makedirs(self.run_dir, exist_ok=True)
             OmegaConf.save(OmegaConf.create(self.effective_config()), os.path.join(self.run_dir, "config.yaml"))
@@ -191,6 +218,8 @@ class Trainer:
         """The checkpoint's own tokenizer for `model.init_from`; otherwise rank 0 trains/caches the configured one
         first and the others then load the cached file."""
         data_cfg = OmegaConf.to_object(self.cfg.data)
+        if self.is_main:
+            os.makedirs(self.run_dir, exist_ok=True)
         tok = checkpoint_tokenizer(self.cfg)
         if tok is not None:
             if self.is_main:

@@ -18,7 +18,8 @@ from model.vision.tower import MoonViT, PatchMergerV2
 
 
 class K3ForConditionalGeneration(nn.Module):
-    def __init__(self, config: K3Config) -> None:
+    def __init__(self, config: K3Config, language_model: K3ForCausalLM | None = None) -> None:
+        """`language_model`: an already built (e.g. laid-out, sharded) text model to wrap; None builds one."""
         super().__init__()
         if config.vision_config is None:
             raise ValueError("K3ForConditionalGeneration needs config.vision_config; use K3ForCausalLM for text only")
@@ -26,7 +27,7 @@ class K3ForConditionalGeneration(nn.Module):
         self.media_id: int = int(config.media_placeholder_token_id or 0)  # set whenever vision is (K3Config checks)
         self.vision_tower = MoonViT(config.vision_config)
         self.mm_projector = PatchMergerV2(config.vision_config)
-        self.language_model = K3ForCausalLM(config)
+        self.language_model = K3ForCausalLM(config) if language_model is None else language_model
 
     # --- the text model's training API, delegated -------------------------------------------------------------
     @torch.no_grad()

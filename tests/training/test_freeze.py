@@ -1,5 +1,5 @@
 """`train.freeze` (issue 23 §4): a frozen group gets no gradient, no optimizer state and no update; the vision
-groups are refused in one line while the trainer builds the text model."""
+groups are refused in one line for a text model and accepted for a model with a tower."""
 
 from __future__ import annotations
 
@@ -52,10 +52,11 @@ def test_frozen_parameters_get_no_gradient_no_optimizer_state_and_no_update():
     assert not torch.equal(m.mm_projector.proj[0].weight, before["mm_projector.proj.0.weight"])  # still trained
 
 
-def test_vision_groups_are_refused_while_the_trainer_builds_the_text_model():
-    with pytest.raises(TrainConfigError, match=r"train\.freeze=\['vision_tower'\]: the trainer builds the text model"):
+def test_vision_groups_are_refused_for_a_text_model_and_accepted_with_a_tower():
+    with pytest.raises(TrainConfigError, match=r"train\.freeze=\['vision_tower'\]: the model has no vision tower"):
         validate(compose(["experiment=tiny_ci", "train.freeze=[vision_tower]"]), 1)
     validate(compose(["experiment=tiny_ci", "train.freeze=[embeddings]"]), 1)
+    validate(compose(["experiment=vlm_smoke", "train.freeze=[vision_tower,mm_projector]"]), 1)
 
 
 def test_a_training_run_never_updates_the_frozen_embedding(tmp_path):

@@ -174,4 +174,41 @@ def build_model(
         if reader is not None:
             par.init_bytes_read = reader.bytes_read
             reader.close()
+    if config.vision_config is not None:
+        model = attach_vision(model, config, seed, init_from)
+        par.moe_names = [f"language_model.{n}" for n in par.moe_names]  # names in the wrapped model's state dict
     return model, par
+
+
+def attach_vision(lm: K3ForCausalLM, config: K3Config, seed: int, init_from: str | None) -> nn.Module:
+    """The laid-out text model inside K3ForConditionalGeneration. The tower and projector are dense and replicated
+    (ZeRO-0/1/2 and EP alike: DeepSpeed treats them as ordinary data-parallel parameters), built whole on every
+    rank: each vision module reset under the (seed, module name) seed, so every layout starts from the same
+    weights, or the checkpoint's `vision_tower.*` / `mm_projector.*` tensors (the release's names, model/hf.py)."""
+    from safetensors import safe_open
+
+    from model.hf import VISION_PREFIXES, _tensor_files, _vision_state
+    from model.vision.multimodal import K3ForConditionalGeneration
+
+    model = K3ForConditionalGeneration(config, language_model=lm)
+    want = {k: v for k, v in model.state_dict().items() if k.startswith(VISION_PREFIXES)}
+    if init_from is None:
+        for part in ("vision_tower", "mm_projector"):
+            for name, m in reversed(list(getattr(model, part).named_modules())):
+                if hasattr(m, "reset_parameters"):
+                    with torch.random.fork_rng(devices=[]):
+                        torch.manual_seed(module_seed(seed, f"{part}.{name}" if name else part))
+                        m.reset_parameters()
+        return model
+    found: dict[str, torch.Tensor] = {}
+    for file in _tensor_files(init_from):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            found.update({k: f.get_tensor(k) for k in f.keys() if k.startswith(VISION_PREFIXES)})  # noqa: SIM118
+    state, unknown, missing = _vision_state(found, want, torch.float32)
+    if missing or unknown:
+        raise ValueError(
+            f"model.init_from={init_from}: vision tensors missing {sorted(missing)[:3]}, unexpected "
+            f"{sorted(unknown)[:3]}; use a multimodal checkpoint with the same vision_config"
+        )
+    model.load_state_dict(state, strict=False)
+    return model
