@@ -115,7 +115,9 @@ def _model_fields() -> list[tuple[str, Any, Any]]:
         ("init_from", Optional[str], field(default=None)),
     ]
     for f in dataclasses.fields(K3Config):
-        if f.name == "vision_config":  # true: the preset's tower; a mapping: VisionConfig fields; null: text-only
+        # vision_config: true = the preset's tower; a mapping = VisionConfig fields; false = text-only; null = the
+        # preset's default (k3: the release's tower; tiny/small: text-only)
+        if f.name == "vision_config":
             out.append((f.name, Any, field(default=None)))
             continue
         out.append((f.name, Optional[_omegaconf_type(hints[f.name])], field(default=None)))
@@ -402,12 +404,12 @@ def validate(cfg: DictConfig, world_size: int) -> K3Config:
         need(
             ds.zero_stage != 3,
             "a model with a vision tower trains under deepspeed=zero0|zero1|zero2 so far (the tower is not "
-            "partitioned by the sharded start); use deepspeed=zero2 or model.vision_config=null",
+            "partitioned by the sharded start); use deepspeed=zero2 or model.vision_config=false",
         )
         need(
             par.sp_size == 1,
             "images with parallel.sp_size > 1 are not supported yet; use parallel.sp_size=1 or "
-            "model.vision_config=null",
+            "model.vision_config=false",
         )
     need(cfg.checkpoint.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {cfg.checkpoint.keep_last}")
     r = cfg.checkpoint.resume
