@@ -36,6 +36,7 @@ from training.distributed import all_reduce_sum, barrier, init_distributed
 from training.engine import build_ds_config, initialize, param_groups
 from training.guard import StepGuard, TooManyBadSteps
 from training.guard import install as install_guard
+from training.lora import adapter_record, lora_spec, write_adapter_record
 from training.metrics import RunLogger, flops_per_token, peak_flops
 from training.parallel.construct import build_model
 from training.parallel.ulysses import gradient_averaging_ranks
@@ -104,7 +105,9 @@ class Trainer:
             cfg.model.init_from,
             expert_files=bool(resume_from and checkpoint.has_expert_files(resume_from)),
             sp_size=int(cfg.parallel.sp_size),
+            lora=lora_spec(cfg),
         )
+        self.lora = self.model.lora_spec if hasattr(self.model, "lora_spec") else None
         self.model.set_gradient_checkpointing(bool(t.activation_checkpointing))
         groups = self.ep.param_groups(self.model, param_groups(self.model, float(cfg.schedule.weight_decay)))
         self.reducer = self.ep.stats_reducer()
@@ -203,7 +206,12 @@ class Trainer:
         """Restore engine, trainer counters, guard, data position and RNG; returns the W&B run id."""
         base_lrs = list(self.scheduler.base_lrs) if self.scheduler is not None else []
         state, rank_state = checkpoint.load(
-            self.engine, tag_dir, self.info.rank, self.world, ep_load=self.ep.load_checkpoint
+            self.engine,
+            tag_dir,
+            self.info.rank,
+            self.world,
+            ep_load=self.ep.load_checkpoint,
+            frozen_excluded=self.lora is not None,
         )
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
         self.guard.load_state_dict(state)
@@ -269,9 +277,13 @@ class Trainer:
             **self.plan.state(),
         }
 
+        record = adapter_record(self.cfg) if self.lora is not None else None
+
         def extra(tag_dir: str) -> None:
             self.mcfg.save(tag_dir)
             self.tokenizer.save(tag_dir)
+            if record is not None:
+                write_adapter_record(tag_dir, record)
 
         def on_phase(phase: str, step: int) -> None:
             self.callbacks.on_checkpoint_phase(self, phase, step)
@@ -289,6 +301,7 @@ class Trainer:
             extra_files=extra,
             client_extra=self.ep.client_state() if self.ep.group_name else None,
             on_phase=on_phase,
+            exclude_frozen=self.lora is not None,
         )
 
     def stop_bad_steps(self) -> None:

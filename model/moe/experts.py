@@ -285,6 +285,7 @@ class LatentExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(self.num_local, Im, l))
         self.w3 = nn.Parameter(torch.empty(self.num_local, Im, l))
         self.w2 = nn.Parameter(torch.empty(self.num_local, l, Im))
+        self.lora: nn.Module | None = None  # stacked LoRA factors (model/lora.py ExpertLoRA), when adapted
         self.reset_parameters()
 
     @torch.no_grad()
@@ -300,6 +301,12 @@ class LatentExperts(nn.Module):
             for w in (self.w1, self.w3, self.w2):
                 w[j].normal_(mean=0.0, std=self.init_std, generator=gen)
 
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w1, w3, w2) as applied: the parameters, or with LoRA base + s * B @ A per expert (three bmm's)."""
+        if self.lora is None:
+            return self.w1, self.w3, self.w2
+        return self.lora.merge(self.w1, self.w3, self.w2)
+
     def forward_grouped(self, z_ML: torch.Tensor, counts_E: torch.Tensor | list[int]) -> torch.Tensor:
         """Run local expert e on the counts_E[e] consecutive rows of z_ML: [M, l] -> [M, l] (M = sum counts)."""
         counts = counts_E.tolist() if isinstance(counts_E, torch.Tensor) else list(counts_E)
@@ -308,12 +315,13 @@ class LatentExperts(nn.Module):
                 f"counts_E must have {self.num_local} entries summing to {z_ML.shape[0]} rows; "
                 f"got {len(counts)} summing to {sum(counts)}"
             )
-        return _GroupedExperts.apply(z_ML.contiguous(), self.w1, self.w3, self.w2, counts, self.beta1, self.beta2)
+        return _GroupedExperts.apply(z_ML.contiguous(), *self.weights(), counts, self.beta1, self.beta2)
 
     def expert(self, j: int, z_NL: torch.Tensor) -> torch.Tensor:
         """Reference: local expert j on arbitrary rows with plain autograd (tests, debugging)."""
-        a = (situ(z_NL @ self.w1[j].t(), self.beta1) * cap(z_NL @ self.w3[j].t(), self.beta2)).to(z_NL.dtype)
-        return a @ self.w2[j].t()
+        w1, w3, w2 = self.weights()
+        a = (situ(z_NL @ w1[j].t(), self.beta1) * cap(z_NL @ w3[j].t(), self.beta2)).to(z_NL.dtype)
+        return a @ w2[j].t()
 
     def extra_repr(self) -> str:
         return (
