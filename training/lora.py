@@ -14,16 +14,22 @@ identity (training/checkpoint/identity.py), so resuming on another base is refus
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from omegaconf import DictConfig
+from safetensors.torch import load_file, save_file
 
-from model.lora import LoRASpec
+from model.lora import LoRASpec, adapter_state
 
 ADAPTER_FILE = "lora.json"  # in every checkpoint tag dir of a LoRA run: the spec and the base identity
+ADAPTER_WEIGHTS = "adapters.safetensors"  # ... and the whole adapters (all experts), whatever the layout
 _WHOLE_FILE_BYTES = 256 << 20  # files up to this size are hashed whole
 _SAMPLES, _SAMPLE_BYTES = 64, 1 << 20  # larger ones: header + 64 evenly spaced 1 MiB blocks
 
@@ -105,3 +111,59 @@ def spec_of(record: dict[str, Any]) -> LoRASpec:
         dropout=float(record["dropout"]),
         targets=tuple(record["targets"]),
     )
+
+
+@contextlib.contextmanager
+def checkpoint_without_autoep(model: Any, autoep: bool) -> Iterator[None]:
+    """Around engine.save_checkpoint / load_checkpoint of a LoRA run under ZeRO-3 + EP (AutoEP presentation).
+
+    DeepSpeed 0.19.8 `_save_moe_checkpoint` refuses frozen AutoEP experts ("frozen fragments are not stored in
+    ZeRO optimizer shards") and its partition-native format restores every AutoEP expert from optimizer shards.
+    A LoRA checkpoint needs no base experts (a resume re-reads them from model.init_from), so for the duration
+    of the save/load each LatentMoE shows its plain class: the engine then writes (and reads) the module state
+    (adapters) and the ZeRO optimizer shards, where the expert adapters live in their expert-data-parallel
+    partitions like any parameter's; the AutoEP tags on the parameters stay, and nothing runs forward meanwhile."""
+    swapped = []
+    if autoep:
+        for moe in model.moe_layers():
+            cls = type(moe)
+            if cls.__name__.startswith("AutoEP"):
+                moe.__class__ = cls.__bases__[0]
+                swapped.append((moe, cls))
+    try:
+        yield
+    finally:
+        for moe, cls in swapped:
+            moe.__class__ = cls
+
+
+@torch.no_grad()
+def gather_adapters(model: Any, par: Any) -> dict[str, torch.Tensor]:
+    """Every adapter tensor whole (ZeRO-3 partitions gathered, expert factors of all EP ranks stacked by global
+    expert id), on every rank (collective). Adapters are small: this is what export reads, for any layout."""
+    params = adapter_state(model)
+    if par.zero_stage == 3:
+        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+        with GatheredParameters(list(params.values())):
+            sd = {k: v.detach().clone() for k, v in params.items()}
+    else:
+        sd = {k: v.detach().clone() for k, v in params.items()}
+    if par.ep_size > 1:
+        for name in sorted(sd):
+            if ".experts.lora." in f".{name}":
+                parts = [torch.empty_like(sd[name]) for _ in range(par.ep_size)]
+                dist.all_gather(parts, sd[name].contiguous(), group=par.ep_group)
+                sd[name] = torch.cat(parts, dim=0)
+    return sd
+
+
+def write_adapter_weights(tag_dir: str, tensors: dict[str, torch.Tensor]) -> None:
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(tag_dir, ADAPTER_WEIGHTS))
+
+
+def read_adapter_weights(tag_dir: str) -> dict[str, torch.Tensor]:
+    path = os.path.join(tag_dir, ADAPTER_WEIGHTS)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} is missing; this LoRA checkpoint is incomplete, use an earlier one")
+    return load_file(path)

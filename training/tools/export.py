@@ -23,7 +23,7 @@ from data import DataError, load_tokenizer
 from model import K3Config, K3ForCausalLM, save_hf_checkpoint
 from model.lora import merge_lora
 from training.checkpoint import has_expert_files, resolve_checkpoint, verify_checkpoint
-from training.lora import read_adapter_record
+from training.lora import read_adapter_record, read_adapter_weights
 from training.parallel.universal import consolidated_state_dict as zero3_state_dict
 from training.parallel.universal import is_zero3_checkpoint
 from training.tools.cli import ToolError, parse_args, run_tool
@@ -56,11 +56,11 @@ def load_checkpoint_model(path: str):
     """K3ForCausalLM with the weights of the newest complete checkpoint under `path` (fp32, CPU); for a LoRA
     checkpoint the base + its adapters (training/tools/export_lora.py)."""
     tag_dir = resolve_checkpoint(path)
+    record = read_adapter_record(tag_dir)
+    if record is not None:  # adapters only, written whole beside DeepSpeed's shards (training/lora.py)
+        return lora_model(record, read_adapter_weights(tag_dir)), tag_dir
     config = K3Config.from_hf_config(tag_dir)
     state = consolidated_state_dict(tag_dir)
-    record = read_adapter_record(tag_dir)
-    if record is not None:
-        return lora_model(record, state), tag_dir
     model = K3ForCausalLM(config)
     model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=True)
     return model.eval(), tag_dir
