@@ -115,3 +115,19 @@ def test_merged_export_gives_the_trained_models_logits(root, ref):
     ids = torch.randint(0, trained.config.vocab_size, (2, 33))
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, trained(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("lora.targets=[qproj]", "lora.targets has unknown names"),
+        ("lora.rank=0", "lora.rank must be >= 1"),
+        ("optim=muon", "use optim=adamw with finetune=lora"),
+        ("lora.base_experts=mxfp4", "lora.base_experts=mxfp4"),
+    ],
+)
+def test_bad_lora_settings_are_refused_in_one_line(base, override, message):
+    cfg = compose(["experiment=sft_tiny", "finetune=lora", f"model.init_from={base}", override])
+    with pytest.raises(TrainConfigError, match=message) as e:
+        validate(cfg, 1)
+    assert "\n" not in str(e.value)
