@@ -77,6 +77,8 @@ FIRST = (
     "ref_run",  # 60 + 45 + 30
     "distributed/test_sequence_parallel.py",  # 95
     "base_run",  # 25 + 30 + 15
+    "training/test_lora.py",  # 66 (measured on the shared machine)
+    "distributed/test_lora.py",  # 54
     "distributed/test_expert_parallel_engine.py",  # 25
     "training/test_entry_points.py",  # 30
     "training/test_sft.py",  # 25
