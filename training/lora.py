@@ -74,8 +74,9 @@ def base_identity(init_from: str) -> dict[str, str]:
     return {"base.path": path, "base.hash": h.hexdigest()}
 
 
-def adapter_record(cfg: DictConfig) -> dict[str, Any]:
-    """What `lora.json` holds: the spec (model/lora.py names) and the base identity."""
+def adapter_record(cfg: DictConfig, identity: dict[str, Any]) -> dict[str, Any]:
+    """What `lora.json` holds: the spec (model/lora.py names) and the base identity (from the run identity,
+    training/checkpoint/identity.py, so the base is hashed once per job)."""
     spec = lora_spec(cfg)
     assert spec is not None
     return {
@@ -85,7 +86,8 @@ def adapter_record(cfg: DictConfig) -> dict[str, Any]:
         "dropout": spec.dropout,
         "targets": list(spec.targets),
         "base_experts": str(cfg.lora.base_experts),
-        **base_identity(str(cfg.model.init_from)),
+        "base.path": identity["base.path"],
+        "base.hash": identity["base.hash"],
     }
 
 

@@ -285,7 +285,7 @@ class Trainer:
             **self.plan.state(),
         }
 
-        record = adapter_record(self.cfg) if self.lora is not None else None
+        record = adapter_record(self.cfg, self.plan.identity) if self.lora is not None else None
         adapters = gather_adapters(self.module, self.ep) if self.lora is not None else None  # collective
 
         def extra(tag_dir: str) -> None:
