@@ -20,6 +20,9 @@ routing), the row-wise SiTU-GLU once per block, every temporary written into reu
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -286,6 +289,7 @@ class LatentExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(self.num_local, Im, l))
         self.w2 = nn.Parameter(torch.empty(self.num_local, l, Im))
         self.lora: nn.Module | None = None  # stacked LoRA factors (model/lora.py ExpertLoRA), when adapted
+        self._merged: dict | None = None  # merged weights made inside recompute_merged()
         self.reset_parameters()
 
     @torch.no_grad()
@@ -305,7 +309,38 @@ class LatentExperts(nn.Module):
         """(w1, w3, w2) as applied: the parameters, or with LoRA base + s * B @ A per expert (three bmm's)."""
         if self.lora is None:
             return self.w1, self.w3, self.w2
-        return self.lora.merge(self.w1, self.w3, self.w2)
+        merged = self.lora.merge(self.w1, self.w3, self.w2)
+        if self._merged is not None:  # inside recompute_merged(): remember them, by storage, for the pack hook
+            for w, t in zip(("w1", "w3", "w2"), merged):
+                self._merged[(t.data_ptr(), tuple(t.shape))] = w
+        return merged
+
+    @contextlib.contextmanager
+    def recompute_merged(self) -> Iterator[None]:
+        """With LoRA, the merged expert weights (as large as the local experts) are not kept for backward: the
+        expert node saves a recipe and backward re-merges base + s * B @ A (bitwise the same: the same bmm on the
+        same values), like the activations it recomputes. Without LoRA the saved weights are the parameters
+        themselves (no copy), so nothing is done."""
+        if self.lora is None or not torch.is_grad_enabled():
+            yield
+            return
+        self._merged = {}
+
+        def pack(t: torch.Tensor):
+            w = self._merged.get((t.data_ptr(), tuple(t.shape))) if self._merged is not None else None
+            return ("lora-merged", w) if w is not None else t
+
+        def unpack(saved):
+            if isinstance(saved, tuple):
+                with torch.no_grad():
+                    return getattr(self, saved[1]) + self.lora.delta(saved[1])
+            return saved
+
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                yield
+        finally:
+            self._merged = None
 
     def forward_grouped(self, z_ML: torch.Tensor, counts_E: torch.Tensor | list[int]) -> torch.Tensor:
         """Run local expert e on the counts_E[e] consecutive rows of z_ML: [M, l] -> [M, l] (M = sum counts)."""

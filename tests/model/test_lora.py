@@ -4,6 +4,8 @@ expert adapters against a per-expert reference, frozen base, merge."""
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -126,3 +128,28 @@ def test_unknown_target_refused_in_one_line():
     with pytest.raises(ValueError, match="lora.targets has unknown names") as e:
         apply_lora(K3ForCausalLM(_config()), LoRASpec(targets=("qproj",)))
     assert "\n" not in str(e.value)
+
+
+def test_merged_expert_weights_are_not_kept_for_backward():
+    """The expert node saves a recipe for the merged weights (recomputed in backward): after the forward no
+    [E, Im, l] merged copy is alive, and backward still reaches the factors."""
+    torch.manual_seed(3)
+    cfg = _config()
+    model = K3ForCausalLM(cfg)
+    apply_lora(model, ALL)
+    _randomise_adapters(model)
+    moe = model.moe_layers()[0]
+    made = []
+    merge = moe.experts.weights
+
+    def recording_weights():
+        out = merge()
+        made.extend(weakref.ref(t) for t in out)
+        return out
+
+    moe.experts.weights = recording_weights
+    y, _ = moe(torch.randn(1, 9, cfg.hidden_size))
+    gc.collect()
+    assert len(made) == 3 and all(r() is None for r in made)
+    y.sum().backward()
+    assert moe.experts.lora.w1_A.grad is not None and moe.experts.lora.w1_A.grad.abs().sum() > 0
