@@ -53,7 +53,10 @@ class LoRASpec:
     expert_rank: int = 2
     alpha: float = 32.0
     dropout: float = 0.0
-    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    targets: tuple[str, ...] = (
+        *("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"),
+        *("gate_proj", "up_proj", "down_proj", EXPERTS_TARGET),
+    )
 
     def check(self) -> None:
         bad = [t for t in self.targets if t not in LINEAR_TARGETS + (EXPERTS_TARGET,)]

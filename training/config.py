@@ -187,8 +187,11 @@ class LoRASection:
     expert_rank: int = 2
     alpha: float = 32.0
     dropout: float = 0.0
-    targets: List[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    targets: List[str] = field(  # model/lora.py LINEAR_TARGETS names, and "experts" (the routed experts)
+        default_factory=lambda: [
+            *("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"),
+            *("gate_proj", "up_proj", "down_proj", "experts"),
+        ]
     )
     base_experts: BaseExperts = BaseExperts.bf16
 
