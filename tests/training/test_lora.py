@@ -93,6 +93,12 @@ def test_resume_on_another_base_is_refused_in_one_line(root, base, ref):
     assert "base.hash" in line and "base.path" in line
 
 
+def test_resume_at_another_layout_is_refused_in_one_line(ref, base):
+    res = run_training(ref.run_dir, _job(base, "deepspeed=zero3"), launcher=False)
+    assert res.returncode == 2
+    assert "layout.zero_stage 2 -> 3" in res.stderr.strip().splitlines()[-1]
+
+
 def test_adapter_export_is_peft_layout_keyed_by_release_names(root, ref):
     out = Path(export_checkpoint(str(ref.run_dir), str(root / "peft"), adapters=True))
     config = json.loads((out / "adapter_config.json").read_text())

@@ -72,6 +72,10 @@ def run_identity(cfg: DictConfig, mcfg: K3Config, world_size: int) -> dict[str, 
         out["finetune"] = "lora"
         _flatten("lora", _section(cfg, "lora"), out)
         out.update(base_identity(str(cfg.model.init_from)))
+        # LoRA checkpoints resume at their own layout only (no universal conversion of adapter shards)
+        out["layout.world_size"] = int(world_size)
+        out["layout.ep_size"] = int(cfg.parallel.ep_size)
+        out["layout.zero_stage"] = int(cfg.deepspeed.zero_stage)
     return json.loads(json.dumps(out, default=str))
 
 
