@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.config import K3Config
+from model.lora import effective_weight
 from model.norm import RMSNorm, upcast
 from model.sequence import SequenceShard, gather_shared, head_slice
 
@@ -233,7 +234,7 @@ class GatedMLA(nn.Module):
         B, t, _ = x_BTD.shape
         q_BTHE = self._query(x_BTD)
         c_kv_BSR, k_r_BSD = self._latent(x_BTD)
-        w_kvb, heads = self.kv_b_proj.weight, self.num_heads
+        w_kvb, heads = effective_weight(self.kv_b_proj), self.num_heads
         if shard is not None:
             own = head_slice(shard, self.num_heads)
             heads = own.stop - own.start

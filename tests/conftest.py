@@ -80,6 +80,8 @@ FIRST = (
     "fault/test_sweep.py",  # 40
     "training/test_freeze.py",  # 20-40 (one 1-process run)
     "distributed/test_vision_train.py",  # 26-35 (a 2-rank EP=2 job beside a 1-process one)
+    "training/test_lora.py",  # 66 (measured on the shared machine)
+    "distributed/test_lora.py",  # 54
     "distributed/test_expert_parallel_engine.py",  # 25
     "training/test_entry_points.py",  # 30
     "training/test_sft.py",  # 25

@@ -76,6 +76,16 @@ class FreezeGroup(Choice):
     embeddings = "embeddings"  # the input embedding table `embed_tokens`
 
 
+class Finetune(Choice):
+    none = "none"  # every parameter trains
+    lora = "lora"  # adapters over a frozen model.init_from (model/lora.py, training/lora.py)
+
+
+class BaseExperts(Choice):
+    bf16 = "bf16"  # frozen routed experts held in the model dtype
+    mxfp4 = "mxfp4"  # held as the release's MXFP4 codes, dequantised at use
+
+
 class LoggingMode(Choice):
     offline = "offline"
     online = "online"
@@ -189,6 +199,23 @@ class ParallelSection:
 
 
 @dataclass
+class LoRASection:
+    """`finetune=lora` (conf/finetune/lora.yaml): adapter ranks, scale, dropout, targets (model/lora.py)."""
+
+    rank: int = 16
+    expert_rank: int = 2
+    alpha: float = 32.0
+    dropout: float = 0.0
+    targets: List[str] = field(  # model/lora.py LINEAR_TARGETS names, and "experts" (the routed experts)
+        default_factory=lambda: [
+            *("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"),
+            *("gate_proj", "up_proj", "down_proj", "experts"),
+        ]
+    )
+    base_experts: BaseExperts = BaseExperts.bf16
+
+
+@dataclass
 class LoggingSection:
     mode: LoggingMode = LoggingMode.offline
     every: int = 10
@@ -230,6 +257,8 @@ class TrainConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     train: TrainSection = field(default_factory=TrainSection)
     launcher: LauncherSection = field(default_factory=LauncherSection)
+    finetune: Finetune = Finetune.none
+    lora: LoRASection = field(default_factory=LoRASection)
     callbacks: List[str] = field(default_factory=list)  # extra training.callbacks.Callback classes, by import path
 
 
@@ -417,7 +446,34 @@ def validate(cfg: DictConfig, world_size: int) -> K3Config:
         need(os.path.isdir(r), f"checkpoint.resume={r} is not a directory; use auto, none or a checkpoint path")
     check_data_config(cfg.data)
     check_tokenizer(cfg, mcfg)
+    check_lora(cfg)
     return mcfg
+
+
+def check_lora(cfg: DictConfig) -> None:
+    """`finetune=lora` needs a base to freeze and adapter settings model/lora.py accepts."""
+    if cfg.finetune != "lora":
+        return
+    from training.lora import lora_spec  # torch-side module: imported only for LoRA runs
+
+    if not cfg.model.init_from:
+        raise TrainConfigError(
+            "finetune=lora needs model.init_from=<hf dir> (the frozen base the adapters train on); set it, "
+            "or use finetune=none to train every parameter"
+        )
+    if cfg.optim.name == "muon":
+        raise TrainConfigError("finetune=lora trains small adapter matrices only; use optim=adamw with finetune=lora")
+    if cfg.lora.base_experts == "mxfp4":
+        raise TrainConfigError(
+            "lora.base_experts=mxfp4 (frozen experts kept as MXFP4 codes) is not built yet; use "
+            "lora.base_experts=bf16 (an MXFP4 release is dequantised into the model dtype on load)"
+        )
+    spec = lora_spec(cfg)
+    try:
+        if spec is not None:
+            spec.check()
+    except ValueError as e:
+        raise TrainConfigError(str(e)) from None
 
 
 def checkpoint_tokenizer(cfg: DictConfig) -> Tokenizer | None:

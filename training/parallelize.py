@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from model import K3Config
+from model.lora import apply_lora
 from training.distributed import DistStatsReducer
 from training.parallel.alltoall import AllToAllDispatcher
 from training.parallel.checkpoint import CLIENT_STATE_KEY, load_any_layout, prepare_resume
@@ -271,6 +272,10 @@ def present_as_autoep(moe: nn.Module, num_experts: int, ep_size: int, ep_rank: i
         )
         tag_expert_param(p, name, zero3=True)
         p.ds_zero_partition_process_group = edp_group  # read by zero.Init's _convert_to_deepspeed_param
+    if moe.experts.lora is not None:  # LoRA factors of these experts: the same placement (no universal metadata)
+        for p in moe.experts.lora.parameters():
+            tag_expert_param(p, name, zero3=True)
+            p.ds_zero_partition_process_group = edp_group
     return moe
 
 
@@ -337,6 +342,8 @@ def register_zero3_external_params(model: nn.Module) -> int:
 
     with torch.random.fork_rng(devices=[]):
         twin = type(model)(structural_twin(model.config)).eval()
+        if getattr(model, "lora_spec", None) is not None:
+            apply_lora(twin, model.lora_spec)
     if [n for n, _ in twin.named_parameters()] != [n for n, _ in model.named_parameters()]:
         raise RuntimeError("structural_twin changed the parameter names; keep it in step with model/config.py")
     hookable: set[str] = set()
@@ -402,6 +409,8 @@ def shard_experts(moe: nn.Module, num_local: int, offset: int) -> None:
         for w in EXPERT_WEIGHTS:
             p = getattr(experts, w)
             p.data = p.data[offset : offset + num_local].clone()
+    if experts.lora is not None:  # LoRA: the stacked expert factors go with their experts
+        experts.lora.slice_(offset, num_local)
     experts.num_local, experts.expert_offset = num_local, offset
 
 

@@ -38,6 +38,14 @@ from training.engine import build_ds_config, initialize, param_groups
 from training.freeze import freeze
 from training.guard import StepGuard, TooManyBadSteps
 from training.guard import install as install_guard
+from training.lora import (
+    adapter_record,
+    checkpoint_without_autoep,
+    gather_adapters,
+    lora_spec,
+    write_adapter_record,
+    write_adapter_weights,
+)
 from training.metrics import RunLogger, flops_per_token, peak_flops
 from training.parallel.construct import build_model
 from training.parallel.ulysses import gradient_averaging_ranks
@@ -116,7 +124,9 @@ class Trainer:
             cfg.model.init_from,
             expert_files=bool(resume_from and checkpoint.has_expert_files(resume_from)),
             sp_size=int(cfg.parallel.sp_size),
+            lora=lora_spec(cfg),
         )
+        self.lora = self.model.lora_spec if hasattr(self.model, "lora_spec") else None
         self.model.set_gradient_checkpointing(bool(t.activation_checkpointing), offload=bool(t.activation_offload))
         self.model.set_loss_tiling(int(t.loss_tile_tokens))  # tiled logits + CE: no [T, V] logits (model/loss.py)
         self.model.set_ffn_tiling(int(t.ffn_tile_tokens))  # FFN recompute over sequence tiles (model/ffn.py)
@@ -241,9 +251,15 @@ class Trainer:
     def _resume(self, tag_dir: str) -> str | None:
         """Restore engine, trainer counters, guard, data position and RNG; returns the W&B run id."""
         base_lrs = list(self.scheduler.base_lrs) if self.scheduler is not None else []
-        state, rank_state = checkpoint.load(
-            self.engine, tag_dir, self.info.rank, self.world, ep_load=self.ep.load_checkpoint
-        )
+        with checkpoint_without_autoep(self.module, self.lora is not None and self.ep.autoep):
+            state, rank_state = checkpoint.load(
+                self.engine,
+                tag_dir,
+                self.info.rank,
+                self.world,
+                ep_load=self.ep.load_checkpoint,
+                frozen_excluded=self.lora is not None,
+            )
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
         self.guard.load_state_dict(state)
         checkpoint.apply_plan(self.plan, self.loader, rank_state.get("data"), self.scheduler, base_lrs, self.is_main)
@@ -308,27 +324,35 @@ class Trainer:
             **self.plan.state(),
         }
 
+        record = adapter_record(self.cfg, self.plan.identity) if self.lora is not None else None
+        adapters = gather_adapters(self.module, self.ep) if self.lora is not None else None  # collective
+
         def extra(tag_dir: str) -> None:
             self.mcfg.save(tag_dir)
             self.tokenizer.save(tag_dir)
+            if record is not None and adapters is not None:
+                write_adapter_record(tag_dir, record)
+                write_adapter_weights(tag_dir, adapters)
 
         def on_phase(phase: str, step: int) -> None:
             self.callbacks.on_checkpoint_phase(self, phase, step)
 
         if self.is_main:
             write_conversion_note(self.ckpt_root)
-        checkpoint.save(
-            self.engine,
-            self.ckpt_root,
-            self.step,
-            state,
-            {"rng": checkpoint.rng_state(), "data": self.loader.state_dict()},
-            self.info.rank,
-            int(self.cfg.checkpoint.keep_last),
-            extra_files=extra,
-            client_extra=self.ep.client_state() if self.ep.group_name else None,
-            on_phase=on_phase,
-        )
+        with checkpoint_without_autoep(self.module, self.lora is not None and self.ep.autoep):
+            checkpoint.save(
+                self.engine,
+                self.ckpt_root,
+                self.step,
+                state,
+                {"rng": checkpoint.rng_state(), "data": self.loader.state_dict()},
+                self.info.rank,
+                int(self.cfg.checkpoint.keep_last),
+                extra_files=extra,
+                client_extra=self.ep.client_state() if self.ep.group_name else None,
+                on_phase=on_phase,
+                exclude_frozen=self.lora is not None,
+            )
 
     def stop_bad_steps(self) -> None:
         """Too many consecutive non-finite steps: checkpoint (weights of the last good step) and stop."""

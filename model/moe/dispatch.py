@@ -156,9 +156,7 @@ class LocalDispatcher:
         return _LocalMoE.apply(
             z_NL.contiguous(),
             weight_NK,
-            experts.w1,
-            experts.w3,
-            experts.w2,
+            *experts.weights(),
             expert_idx_NK,
             experts.beta1,
             experts.beta2,

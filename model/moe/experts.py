@@ -20,6 +20,9 @@ routing), the row-wise SiTU-GLU once per block, every temporary written into reu
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -285,6 +288,8 @@ class LatentExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(self.num_local, Im, l))
         self.w3 = nn.Parameter(torch.empty(self.num_local, Im, l))
         self.w2 = nn.Parameter(torch.empty(self.num_local, l, Im))
+        self.lora: nn.Module | None = None  # stacked LoRA factors (model/lora.py ExpertLoRA), when adapted
+        self._merged: dict | None = None  # merged weights made inside recompute_merged()
         self.reset_parameters()
 
     @torch.no_grad()
@@ -300,6 +305,43 @@ class LatentExperts(nn.Module):
             for w in (self.w1, self.w3, self.w2):
                 w[j].normal_(mean=0.0, std=self.init_std, generator=gen)
 
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w1, w3, w2) as applied: the parameters, or with LoRA base + s * B @ A per expert (three bmm's)."""
+        if self.lora is None:
+            return self.w1, self.w3, self.w2
+        merged = self.lora.merge(self.w1, self.w3, self.w2)
+        if self._merged is not None:  # inside recompute_merged(): remember them, by storage, for the pack hook
+            for w, t in zip(("w1", "w3", "w2"), merged):
+                self._merged[(t.data_ptr(), tuple(t.shape))] = w
+        return merged
+
+    @contextlib.contextmanager
+    def recompute_merged(self) -> Iterator[None]:
+        """With LoRA, the merged expert weights (as large as the local experts) are not kept for backward: the
+        expert node saves a recipe and backward re-merges base + s * B @ A (bitwise the same: the same bmm on the
+        same values), like the activations it recomputes. Without LoRA the saved weights are the parameters
+        themselves (no copy), so nothing is done."""
+        if self.lora is None or not torch.is_grad_enabled():
+            yield
+            return
+        self._merged = {}
+
+        def pack(t: torch.Tensor):
+            w = self._merged.get((t.data_ptr(), tuple(t.shape))) if self._merged is not None else None
+            return ("lora-merged", w) if w is not None else t
+
+        def unpack(saved):
+            if isinstance(saved, tuple):
+                with torch.no_grad():
+                    return getattr(self, saved[1]) + self.lora.delta(saved[1])
+            return saved
+
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                yield
+        finally:
+            self._merged = None
+
     def forward_grouped(self, z_ML: torch.Tensor, counts_E: torch.Tensor | list[int]) -> torch.Tensor:
         """Run local expert e on the counts_E[e] consecutive rows of z_ML: [M, l] -> [M, l] (M = sum counts)."""
         counts = counts_E.tolist() if isinstance(counts_E, torch.Tensor) else list(counts_E)
@@ -308,12 +350,13 @@ class LatentExperts(nn.Module):
                 f"counts_E must have {self.num_local} entries summing to {z_ML.shape[0]} rows; "
                 f"got {len(counts)} summing to {sum(counts)}"
             )
-        return _GroupedExperts.apply(z_ML.contiguous(), self.w1, self.w3, self.w2, counts, self.beta1, self.beta2)
+        return _GroupedExperts.apply(z_ML.contiguous(), *self.weights(), counts, self.beta1, self.beta2)
 
     def expert(self, j: int, z_NL: torch.Tensor) -> torch.Tensor:
         """Reference: local expert j on arbitrary rows with plain autograd (tests, debugging)."""
-        a = (situ(z_NL @ self.w1[j].t(), self.beta1) * cap(z_NL @ self.w3[j].t(), self.beta2)).to(z_NL.dtype)
-        return a @ self.w2[j].t()
+        w1, w3, w2 = self.weights()
+        a = (situ(z_NL @ w1[j].t(), self.beta1) * cap(z_NL @ w3[j].t(), self.beta2)).to(z_NL.dtype)
+        return a @ w2[j].t()
 
     def extra_repr(self) -> str:
         return (

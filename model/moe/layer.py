@@ -88,7 +88,8 @@ class LatentMoE(nn.Module):
         else:  # eval/decode: only the load counts
             balance = BalanceStats(torch.bincount(route.expert_idx_NK.reshape(-1), minlength=self.num_experts))
         z_NL = self.routed_expert_down_proj(x_ND)
-        u_NL = self.dispatcher(z_NL, route.expert_idx_NK, route.weight_NK, self.experts)
+        with self.experts.recompute_merged():  # LoRA: merged expert weights re-made in backward, not kept
+            u_NL = self.dispatcher(z_NL, route.expert_idx_NK, route.weight_NK, self.experts)
         if self.routed_expert_norm is not None:
             u_NL = self.routed_expert_norm(u_NL)
         y_ND = self.routed_expert_up_proj(u_NL)

@@ -66,6 +66,16 @@ def run_identity(cfg: DictConfig, mcfg: K3Config, world_size: int) -> dict[str, 
     for k in ("seed", "seq_len", "steps"):
         out[f"train.{k}"] = int(cfg.train[k])
     out["train.global_batch_rows"] = int(global_batch_rows(cfg, world_size))
+    if str(cfg.get("finetune", "none")) == "lora":  # adapters only: the base they adapt is part of the run
+        from training.lora import base_identity
+
+        out["finetune"] = "lora"
+        _flatten("lora", _section(cfg, "lora"), out)
+        out.update(base_identity(str(cfg.model.init_from)))
+        # LoRA checkpoints resume at their own layout only (no universal conversion of adapter shards)
+        out["layout.world_size"] = int(world_size)
+        out["layout.ep_size"] = int(cfg.parallel.ep_size)
+        out["layout.zero_stage"] = int(cfg.deepspeed.zero_stage)
     return json.loads(json.dumps(out, default=str))
 
 

@@ -98,8 +98,11 @@ def save(
     extra_files: Callable[[str], None] | None = None,
     client_extra: dict[str, Any] | None = None,
     on_phase: PhaseHook = _no_phase,
+    exclude_frozen: bool = False,
 ) -> str:
     """Collective: every rank calls it. Returns the committed tag dir.
+
+    `exclude_frozen` (LoRA): the frozen base stays out of the shards (DeepSpeed's exclude_frozen_parameters).
 
     `extra_files(tag_dir)` runs on rank 0 before COMPLETE (model config.json, tokenizer).
     """
@@ -112,7 +115,11 @@ def save(
             shutil.rmtree(tag_dir)
     barrier()
     engine.save_checkpoint(
-        root, tag=tag, client_state={"trainer_state": trainer_state, **(client_extra or {})}, save_latest=False
+        root,
+        tag=tag,
+        client_state={"trainer_state": trainer_state, **(client_extra or {})},
+        save_latest=False,
+        exclude_frozen_parameters=exclude_frozen,
     )
     on_phase("after_engine_save", step)
     rank_path = os.path.join(tag_dir, f"rank_{rank:05d}.pt")
@@ -160,16 +167,19 @@ def has_expert_files(tag_dir: str) -> bool:
 
 
 def load(
-    engine, tag_dir: str, rank: int, world_size: int, ep_load=None
+    engine, tag_dir: str, rank: int, world_size: int, ep_load=None, frozen_excluded: bool = False
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Collective. Restores engine (weights, buffers such as router biases, optimizer, LR schedule).
 
     Returns (trainer_state, this rank's state or None when the world size changed: then RNG is not restored and
     the data loader re-splits from rank 0's state, which describes the global position). `ep_load` replaces
-    engine.load_checkpoint under expert parallelism.
+    engine.load_checkpoint under expert parallelism. `frozen_excluded` (LoRA): the shards lack the frozen base,
+    which the model already holds (read from model.init_from), so the module state loads non-strictly.
     """
     root, tag = os.path.split(tag_dir.rstrip("/"))
-    kw = dict(load_optimizer_states=True, load_lr_scheduler_states=True)
+    kw: dict[str, Any] = dict(load_optimizer_states=True, load_lr_scheduler_states=True)
+    if frozen_excluded:
+        kw["load_module_strict"] = False
     if ep_load is not None:  # any-layout load (training/parallelize.py, training/parallel/checkpoint.py)
         path, client, _ = ep_load(engine, root, tag, **kw)
     else:

@@ -136,9 +136,7 @@ class AllToAllDispatcher:
         return _ExpertParallelMoE.apply(
             z_NL.contiguous(),
             weight_NK,
-            experts.w1,
-            experts.w3,
-            experts.w2,
+            *experts.weights(),
             expert_idx_NK,
             self,
             experts.beta1,

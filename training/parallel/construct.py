@@ -28,6 +28,7 @@ from torch import nn
 
 from model import K3Config, K3ForCausalLM
 from model.hf import HFReader, target_dtype
+from model.lora import LoRASpec, apply_lora
 from model.params import build_meta
 
 
@@ -130,14 +131,18 @@ def materialise(
                 else:
                     mod._buffers[pname] = new
             made.append((name, mod))
-        if reader is None:
-            for name, mod in made:  # children first: a parent's reset overrides what it re-initialises
+        adapters = [(n, m) for n, m in made if getattr(m, "is_adapter", False)]  # LoRA: never in the checkpoint
+        if reader is None or adapters:
+            # children first: a parent's reset overrides what it re-initialises
+            for name, mod in made if reader is None else adapters:
                 if hasattr(mod, "reset_parameters"):
                     with torch.random.fork_rng(devices=[]):
                         torch.manual_seed(module_seed(seed, name))
                         mod.reset_parameters()
-        else:
+        if reader is not None:
             for name, mod in made:
+                if getattr(mod, "is_adapter", False):
+                    continue
                 offset = int(getattr(mod, "expert_offset", 0))
                 for pname, t in list(mod.named_parameters(recurse=False)) + list(mod.named_buffers(recurse=False)):
                     full = f"{name}.{pname}" if name else pname
@@ -160,12 +165,16 @@ def build_model(
     init_from: str | None = None,
     expert_files: bool = False,
     sp_size: int = 1,
+    lora: LoRASpec | None = None,
 ):
     """The laid-out, materialised model of this rank and its Parallelism (training/parallelize.py), built sharded
-    (module docstring): fresh from `seed`, or from the HF checkpoint directory `init_from`."""
+    (module docstring): fresh from `seed`, or from the HF checkpoint directory `init_from`; `lora`: adapters added
+    (and the base frozen) on the meta model, before the layout (training/lora.py)."""
     from training.parallelize import parallelize
 
     model = build_meta(config)
+    if lora is not None:
+        apply_lora(model, lora)
     par = parallelize(model, ep_size, zero_stage, expert_files=expert_files, sp_size=sp_size)
     reader = HFReader(init_from) if init_from else None
     try:

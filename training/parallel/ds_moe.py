@@ -27,7 +27,7 @@ from torch import nn
 
 _DS_PREFIX = "deepspeed_moe.experts.deepspeed_experts."
 _WEIGHTS = ("w1", "w3", "w2")
-_EXPERT_KEY = re.compile(r"^(.*)\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.(w[123])$")
+_EXPERT_KEY = re.compile(r"^(.*)\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.(w[123]|lora\.w[123]_[AB])$")
 _CLASS_CACHE: dict[type, type] = {}
 
 
@@ -43,19 +43,23 @@ def _ds_moe_class(base: type) -> type:
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         if args or destination is not None or prefix:  # recursion from the model: stacked HF-style tensors
             return base.state_dict(self, *args, destination=destination, prefix=prefix, keep_vars=keep_vars)
-        # direct call (DeepSpeed's _save_moe_checkpoint): one entry per local expert, DeepSpeed's naming
+        # direct call (DeepSpeed's _save_moe_checkpoint): one entry per local expert, DeepSpeed's naming; every
+        # tensor is stacked per expert (w1/w3/w2 and, with LoRA, `lora.w1_A`...); frozen ones (a LoRA base,
+        # re-read from model.init_from on resume) are left out, so a LoRA checkpoint holds adapters only
+        stacked = base.state_dict(self, keep_vars=True)
+        frozen = {n for n, p in self.named_parameters() if not p.requires_grad}
         out: OrderedDict[str, torch.Tensor] = OrderedDict()
         for j in range(self.num_local):
-            for w in _WEIGHTS:
-                t = getattr(self, w)[j]
-                out[f"{_DS_PREFIX}{j}.{w}"] = t if keep_vars else t.detach()
+            for name, t in stacked.items():
+                if name not in frozen:
+                    out[f"{_DS_PREFIX}{j}.{name}"] = t[j] if keep_vars else t[j].detach()
         return out
 
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
     ):
         # DeepSpeed's load_moe_state_dict hands us per-expert slices (local ids): stack them first
-        for w in _WEIGHTS:
+        for w in base.state_dict(self, keep_vars=True):
             keys = [f"{prefix}{_DS_PREFIX}{j}.{w}" for j in range(self.num_local)]
             if all(k in state_dict for k in keys):
                 state_dict[prefix + w] = torch.stack([state_dict.pop(k) for k in keys])

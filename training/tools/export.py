@@ -2,6 +2,8 @@
 
     python -m training.export <run_dir | run_dir/checkpoints | checkpoint step dir> <out_dir>
     python -m training.export checkpoint=runs/smoke out=runs/smoke-hf
+    python -m training.export <lora run> <out_dir> --adapters   (finetune=lora: PEFT adapter files)
+    python -m training.export <lora run> <out_dir> --merge      (finetune=lora: base + merged adapters, HF)
 
 ZeRO 1-3: the fp32 master weights are gathered from every rank's shards with DeepSpeed's zero_to_fp32
 utilities (buffers such as the router biases come from the model-states file); ZeRO 0: the module state file is
@@ -22,10 +24,13 @@ import torch
 from data import DataError, load_tokenizer
 from model import K3Config, build_model, save_hf_checkpoint
 from model.hf import VISION_PREFIXES
+from model.lora import merge_lora
 from training.checkpoint import has_expert_files, resolve_checkpoint, verify_checkpoint
+from training.lora import read_adapter_record, read_adapter_weights
 from training.parallel.universal import consolidated_state_dict as zero3_state_dict
 from training.parallel.universal import is_zero3_checkpoint
-from training.tools.cli import parse_args, run_tool
+from training.tools.cli import ToolError, parse_args, run_tool
+from training.tools.export_lora import lora_model, write_adapters
 
 
 def consolidated_state_dict(tag_dir: str) -> dict[str, torch.Tensor]:
@@ -52,8 +57,12 @@ def consolidated_state_dict(tag_dir: str) -> dict[str, torch.Tensor]:
 
 def load_checkpoint_model(path: str):
     """The model (K3ForCausalLM, or K3ForConditionalGeneration when the state holds the tower) with the weights
-    of the newest complete checkpoint under `path` (fp32, CPU)."""
+    of the newest complete checkpoint under `path` (fp32, CPU); for a LoRA checkpoint the base + its adapters
+    (training/tools/export_lora.py)."""
     tag_dir = resolve_checkpoint(path)
+    record = read_adapter_record(tag_dir)
+    if record is not None:  # adapters only, written whole beside DeepSpeed's shards (training/lora.py)
+        return lora_model(record, read_adapter_weights(tag_dir)), tag_dir
     config = K3Config.from_hf_config(tag_dir)
     state = consolidated_state_dict(tag_dir)
     if config.vision_config is not None and not any(k.startswith(VISION_PREFIXES) for k in state):
@@ -67,9 +76,19 @@ def load_checkpoint_model(path: str):
     return model.eval(), tag_dir
 
 
-def export_checkpoint(path: str, out_dir: str) -> str:
-    """Write config.json + safetensors (+ tokenizer) for the checkpoint at `path`; returns out_dir."""
+def export_checkpoint(path: str, out_dir: str, adapters: bool = False, merge: bool = False) -> str:
+    """Write config.json + safetensors (+ tokenizer) for the checkpoint at `path`; returns out_dir. LoRA
+    checkpoints: `adapters` writes PEFT's adapter files instead; `merge` (or neither) the merged full model."""
+    if adapters and merge:
+        raise ToolError("--adapters and --merge exclude each other; pick one")
     model, tag_dir = load_checkpoint_model(path)
+    record = read_adapter_record(tag_dir)
+    if (adapters or merge) and record is None:
+        raise ToolError(f"{tag_dir} is not a finetune=lora checkpoint; export it without --adapters/--merge")
+    if adapters:
+        return write_adapters(model, record, out_dir)
+    if record is not None:
+        merge_lora(model)
     save_hf_checkpoint(model, out_dir)
     try:  # the tokenizer saved with the checkpoint travels along, whatever its kind
         load_tokenizer(tag_dir).save(out_dir)
@@ -79,10 +98,17 @@ def export_checkpoint(path: str, out_dir: str) -> str:
 
 
 def _main(argv: list[str]) -> int:
+    flags = {f for f in argv if f.startswith("--")}
+    unknown = flags - {"--adapters", "--merge"}
+    if unknown:
+        raise ToolError(f"unknown flag {sorted(unknown)[0]}; the flags are --adapters and --merge")
     a = parse_args(
-        argv, {"checkpoint": None, "out": None}, positional=("checkpoint", "out"), kinds={"checkpoint": str, "out": str}
+        [x for x in argv if x not in flags],
+        {"checkpoint": None, "out": None},
+        positional=("checkpoint", "out"),
+        kinds={"checkpoint": str, "out": str},
     )
-    out = export_checkpoint(a["checkpoint"], a["out"])
+    out = export_checkpoint(a["checkpoint"], a["out"], adapters="--adapters" in flags, merge="--merge" in flags)
     print(f"exported {a['checkpoint']} -> {out}")
     return 0
 

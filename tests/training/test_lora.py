@@ -1,0 +1,139 @@
+"""finetune=lora end to end on one process (ZeRO-2): refusals, a checkpoint of adapters only, bitwise resume,
+the base identity, PEFT adapter export and the merged export's logits."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from model import load_hf_checkpoint
+from model.lora import is_adapter_param
+from tests.distributed.conftest import must_succeed, run_training
+from tests.lora_base import make_base
+from training.config import TrainConfigError, compose, validate
+from training.tools.export import export_checkpoint, load_checkpoint_model
+
+STEPS = 4
+
+
+def _job(base: Path, *extra: str) -> list[str]:
+    return [
+        "experiment=sft_tiny",
+        "finetune=lora",
+        f"model.init_from={base}",
+        "deepspeed=zero2",
+        f"train.steps={STEPS}",
+        "train.micro_batch_size=2",
+        "checkpoint.every=2",
+        "logging.every=1",
+        "logging.mode=disabled",
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("lora")
+
+
+@pytest.fixture(scope="module")
+def base(root) -> Path:
+    return make_base(root / "base-hf")
+
+
+@pytest.fixture(scope="module")
+def ref(root, base):
+    return must_succeed(run_training(root / "ref", _job(base), launcher=False))
+
+
+def _tag(run_dir: Path) -> Path:
+    return run_dir / "checkpoints" / f"step_{STEPS:08d}"
+
+
+def test_lora_without_init_from_is_refused_in_one_line():
+    with pytest.raises(TrainConfigError, match="finetune=lora needs model.init_from") as e:
+        validate(compose(["experiment=sft_tiny", "finetune=lora", "model.init_from=null"]), 1)
+    assert "\n" not in str(e.value)
+
+
+def test_checkpoint_holds_adapters_and_their_optimizer_state_only(ref):
+    tag = _tag(ref.run_dir)
+    module = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    params = [k for k, v in module.items() if v.is_floating_point() and not k.endswith("e_score_correction_bias")]
+    assert params and all(is_adapter_param(k) for k in params)
+    trainable = sum(module[k].numel() for k in params)
+    optim = torch.load(next(tag.glob("*optim_states.pt")), weights_only=False)["optimizer_state_dict"]
+    master = sum(t.numel() for t in optim["single_partition_of_fp32_groups"])
+    assert master == trainable  # no fp32 master (and so no Adam moments) for any base weight
+    record = json.loads((tag / "lora.json").read_text())
+    assert record["base.path"] == str(ref.run_dir.parent / "base-hf") and len(record["base.hash"]) == 64
+
+
+def test_resume_reproduces_the_uninterrupted_losses_bitwise(root, base, ref):
+    run_dir = root / "resumed"
+    killed = run_training(run_dir, _job(base), launcher=False, env={"K3_FAULT_KILL_AT_STEP": "3"})
+    assert killed.returncode != 0
+    resumed = must_succeed(run_training(run_dir, _job(base), launcher=False))
+    assert "resumed from" in resumed.stdout
+    assert resumed.losses() == ref.losses() and len(ref.losses()) == STEPS
+
+
+def test_resume_on_another_base_is_refused_in_one_line(root, base, ref):
+    other = root / "other-base"
+    shutil.copytree(base, other)
+    make_base(other, seed=1)  # same names and shapes, other weights
+    res = run_training(ref.run_dir, _job(other), launcher=False)
+    assert res.returncode == 2
+    line = res.stderr.strip().splitlines()[-1]
+    assert "base.hash" in line and "base.path" in line
+
+
+def test_resume_at_another_layout_is_refused_in_one_line(ref, base):
+    res = run_training(ref.run_dir, _job(base, "deepspeed=zero3"), launcher=False)
+    assert res.returncode == 2
+    assert "layout.zero_stage 2 -> 3" in res.stderr.strip().splitlines()[-1]
+
+
+def test_adapter_export_is_peft_layout_keyed_by_release_names(root, ref):
+    out = Path(export_checkpoint(str(ref.run_dir), str(root / "peft"), adapters=True))
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 16 and config["rank_pattern"]
+    with safe_open(out / "adapter_model.safetensors", "pt") as f:
+        keys = set(f.keys())
+        a = f.get_tensor("base_model.model.language_model.model.layers.1.block_sparse_moe.experts.5.w1.lora_A.weight")
+    assert "base_model.model.language_model.model.layers.0.self_attn.q_proj.lora_B.weight" in keys
+    assert a.shape[0] == 2  # lora.expert_rank
+    model, _ = load_checkpoint_model(str(ref.run_dir))
+    n_adapter = sum(p.numel() for n, p in model.named_parameters() if is_adapter_param(n))
+    with safe_open(out / "adapter_model.safetensors", "pt") as f:
+        assert sum(f.get_tensor(k).numel() for k in keys) == n_adapter
+
+
+def test_merged_export_gives_the_trained_models_logits(root, ref):
+    out = export_checkpoint(str(ref.run_dir), str(root / "merged"), merge=True)
+    trained, _ = load_checkpoint_model(str(ref.run_dir))
+    merged = load_hf_checkpoint(out, dtype=torch.float32).eval()
+    ids = torch.randint(0, trained.config.vocab_size, (2, 33))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, trained(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("lora.targets=[qproj]", "lora.targets has unknown names"),
+        ("lora.rank=0", "lora.rank must be >= 1"),
+        ("optim=muon", "use optim=adamw with finetune=lora"),
+        ("lora.base_experts=mxfp4", "lora.base_experts=mxfp4"),
+    ],
+)
+def test_bad_lora_settings_are_refused_in_one_line(base, override, message):
+    cfg = compose(["experiment=sft_tiny", "finetune=lora", f"model.init_from={base}", override])
+    with pytest.raises(TrainConfigError, match=message) as e:
+        validate(cfg, 1)
+    assert "\n" not in str(e.value)
