@@ -33,7 +33,7 @@ from training.config import (
     resolve_run_dir,
 )
 from training.distributed import all_reduce_sum, barrier, init_distributed
-from training.engine import build_ds_config, initialize, param_groups
+from training.engine import base_param_groups, build_ds_config, initialize
 from training.guard import StepGuard, TooManyBadSteps
 from training.guard import install as install_guard
 from training.metrics import RunLogger, flops_per_token, peak_flops
@@ -106,7 +106,7 @@ class Trainer:
             sp_size=int(cfg.parallel.sp_size),
         )
         self.model.set_gradient_checkpointing(bool(t.activation_checkpointing))
-        groups = self.ep.param_groups(self.model, param_groups(self.model, float(cfg.schedule.weight_decay)))
+        groups = self.ep.param_groups(self.model, base_param_groups(cfg, self.model))
         self.reducer = self.ep.stats_reducer()
         self.grad_ranks = gradient_averaging_ranks(self.world, self.ep.sp_size, int(cfg.deepspeed.zero_stage))
         if resume_from:  # another layout's ZeRO-3 checkpoint: DeepSpeed's universal format (training/parallel)

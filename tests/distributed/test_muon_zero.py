@@ -1,0 +1,61 @@
+"""optim=muon on DeepSpeed's ZeRO Muon: 2 ranks ZeRO-2/3 + EP=2 reproduce 1 rank ZeRO-0 + GA=2, and a job killed
+with SIGKILL resumes bitwise (the Muon momentum travels in the checkpoint)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.distributed.conftest import TINY, must_succeed, run_training
+
+pytestmark = pytest.mark.distributed
+STEPS, KILL_AFTER = 8, 6  # checkpoint at step 4; steps 5 and 6 are recomputed after the resume
+MUON = [*TINY, "optim=muon", f"train.steps={STEPS}", "train.micro_batch_size=2", "logging.mode=disabled"]
+TWO_RANKS = [*MUON, "parallel=ep2", "train.grad_accum=1"]
+
+
+@pytest.fixture(scope="module")
+def muon_runs(runs_root):
+    """{name: RunResult}: 1-rank reference, ZeRO-3 EP=2, and the ZeRO-2 EP=2 job killed after step 6 + resumed."""
+    killed_dir = runs_root / "muon_zero2_ep2"
+    zero2 = [*TWO_RANKS, "deepspeed=zero2", "checkpoint.every=4"]
+    with ThreadPoolExecutor(2) as pool:
+        ref = pool.submit(
+            run_training,
+            runs_root / "muon_ref",
+            [*MUON, "deepspeed=zero0", "train.grad_accum=2", "checkpoint.save_final=false"],
+            launcher=False,
+        )
+        zero3 = pool.submit(
+            run_training, runs_root / "muon_zero3_ep2", [*TWO_RANKS, "deepspeed=zero3", "checkpoint.save_final=false"]
+        )
+        killed = pool.submit(run_training, killed_dir, zero2, env={"K3_FAULT_KILL_AT_STEP": str(KILL_AFTER)})
+        out = {"ref": must_succeed(ref.result()), "zero3": must_succeed(zero3.result()), "killed": killed.result()}
+    out["resumed"] = must_succeed(run_training(killed_dir, [*zero2, "checkpoint.resume=auto"]))
+    return out
+
+
+def test_zero2_ep2_two_ranks_reproduce_one_rank_zero0_ga2(muon_runs):
+    ref, killed = muon_runs["ref"].losses(), muon_runs["killed"].losses()
+    got = {**killed, **muon_runs["resumed"].losses()}
+    assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
+    for s in ref:
+        assert got[s] == pytest.approx(ref[s], rel=1e-5, abs=0), s
+    assert ref[STEPS] < ref[1]
+
+
+def test_zero3_ep2_two_ranks_reproduce_one_rank_zero0_ga2(muon_runs):
+    ref, got = muon_runs["ref"].losses(), muon_runs["zero3"].losses()
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for s in ref:
+        assert got[s] == pytest.approx(ref[s], rel=1e-5, abs=0), s
+
+
+def test_killed_muon_job_resumes_bitwise_with_its_momentum(muon_runs):
+    killed, resumed = muon_runs["killed"], muon_runs["resumed"]
+    assert killed.returncode != 0 and (killed.run_dir / "checkpoints" / "step_00000004" / "COMPLETE").is_file()
+    first, again = killed.losses(), resumed.losses()
+    assert "resumed from" in resumed.stdout
+    # step 6's loss is taken after step 5's update, which the restored momentum shapes
+    assert [again[s] for s in (5, 6)] == [first[s] for s in (5, 6)]
