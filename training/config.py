@@ -145,6 +145,7 @@ class OptimSection:
     muon_momentum: float = 0.95
     muon_ns_steps: int = 5
     muon_lr_scale: MuonScale = MuonScale.rms  # step scale of an orthogonalised block (training/optim/muon.py)
+    qk_clip_tau: Optional[float] = None  # QK-Clip's bound on MLA logits (Kimi K2: 100); null = off (docs/optim.md)
 
 
 @dataclass
@@ -383,6 +384,11 @@ def validate(cfg: DictConfig, world_size: int) -> K3Config:
     need(0 <= cfg.schedule.warmup_frac < 1, f"schedule.warmup_frac must be in [0, 1), got {cfg.schedule.warmup_frac}")
     need(0 <= cfg.schedule.decay_frac <= 1, f"schedule.decay_frac must be in [0, 1], got {cfg.schedule.decay_frac}")
     need(cfg.optim.lr > 0, f"optim.lr must be > 0, got {cfg.optim.lr}")
+    tau = cfg.optim.qk_clip_tau
+    need(
+        tau is None or 0 < tau < float("inf"),
+        f"optim.qk_clip_tau must be > 0 (K2 uses 100) or null to turn QK-Clip off, got {tau}",
+    )
     need(cfg.logging.every >= 1, f"logging.every must be >= 1, got {cfg.logging.every}")
     need(cfg.checkpoint.every >= 0, f"checkpoint.every must be >= 0 (0 = only at the end), got {cfg.checkpoint.every}")
     need(t.max_bad_steps >= 0, f"train.max_bad_steps must be >= 0 (0 = never stop), got {t.max_bad_steps}")

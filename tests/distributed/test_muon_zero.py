@@ -1,5 +1,6 @@
-"""optim=muon on DeepSpeed's ZeRO Muon: 2 ranks ZeRO-2/3 + EP=2 reproduce 1 rank ZeRO-0 + GA=2, and a job killed
-with SIGKILL resumes bitwise (the Muon momentum travels in the checkpoint)."""
+"""optim=muon on DeepSpeed's ZeRO Muon with QK-Clip active: 2 ranks ZeRO-2/3 + EP=2 reproduce 1 rank ZeRO-0 + GA=2
+(so the clip reached the fp32 master and the working weights), and a job killed with SIGKILL resumes bitwise (the
+Muon momentum travels in the checkpoint)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from tests.distributed.conftest import TINY, must_succeed, run_training
 
 pytestmark = pytest.mark.distributed
 STEPS, KILL_AFTER = 8, 6  # checkpoint at step 4; steps 5 and 6 are recomputed after the resume
-MUON = [*TINY, "optim=muon", f"train.steps={STEPS}", "train.micro_batch_size=2", "logging.mode=disabled"]
+TAU = 1.4  # tiny_ci's MLA logits reach 1.3-1.7 in these steps: some heads are clipped on most steps
+MUON = [*TINY, "optim=muon", f"optim.qk_clip_tau={TAU}", f"train.steps={STEPS}", "train.micro_batch_size=2"]
+MUON += ["logging.mode=disabled"]
 TWO_RANKS = [*MUON, "parallel=ep2", "train.grad_accum=1"]
 
 
@@ -59,3 +62,13 @@ def test_killed_muon_job_resumes_bitwise_with_its_momentum(muon_runs):
     assert "resumed from" in resumed.stdout
     # step 6's loss is taken after step 5's update, which the restored momentum shapes
     assert [again[s] for s in (5, 6)] == [first[s] for s in (5, 6)]
+
+
+def test_qk_clip_was_active_and_counted_the_same_heads_on_every_layout(muon_runs):
+    def heads(res):
+        return {r["step"]: r["optim/qk_clip_heads"] for r in res.metrics}
+
+    ref = heads(muon_runs["ref"])
+    assert sum(ref.values()) > 0 and all("attn/max_logit" in r for r in muon_runs["ref"].metrics)
+    assert heads(muon_runs["zero3"]) == ref
+    assert {**heads(muon_runs["killed"]), **heads(muon_runs["resumed"])} == ref
