@@ -74,7 +74,7 @@ FIRST = (
     "default-master-port",  # 240 + 40
     "distributed/test_zero3_ep.py",  # 145
     "ep2_ref",  # 90 + 40
-    "distributed/test_muon_zero.py",  # 90 (4 jobs, 2 at a time)
+    "distributed/test_muon_zero.py",  # 100 (5 jobs, 2 at a time)
     "ref_run",  # 60 + 45 + 30
     "distributed/test_sequence_parallel.py",  # 95
     "base_run",  # 25 + 30 + 15

@@ -20,7 +20,7 @@ TWO_RANKS = [*MUON, "parallel=ep2", "train.grad_accum=1"]
 
 @pytest.fixture(scope="module")
 def muon_runs(runs_root):
-    """{name: RunResult}: 1-rank reference, ZeRO-3 EP=2, and the ZeRO-2 EP=2 job killed after step 6 + resumed."""
+    """{name: RunResult}: 1-rank reference, ZeRO-1/3 EP=2, and the ZeRO-2 EP=2 job killed after step 6 + resumed."""
     killed_dir = runs_root / "muon_zero2_ep2"
     zero2 = [*TWO_RANKS, "deepspeed=zero2", "checkpoint.every=4"]
     with ThreadPoolExecutor(2) as pool:
@@ -30,11 +30,17 @@ def muon_runs(runs_root):
             [*MUON, "deepspeed=zero0", "train.grad_accum=2", "checkpoint.save_final=false"],
             launcher=False,
         )
-        zero3 = pool.submit(
-            run_training, runs_root / "muon_zero3_ep2", [*TWO_RANKS, "deepspeed=zero3", "checkpoint.save_final=false"]
-        )
+        stages = {
+            f"zero{z}": pool.submit(
+                run_training,
+                runs_root / f"muon_zero{z}_ep2",
+                [*TWO_RANKS, f"deepspeed=zero{z}", "checkpoint.save_final=false"],
+            )
+            for z in (1, 3)
+        }
         killed = pool.submit(run_training, killed_dir, zero2, env={"K3_FAULT_KILL_AT_STEP": str(KILL_AFTER)})
-        out = {"ref": must_succeed(ref.result()), "zero3": must_succeed(zero3.result()), "killed": killed.result()}
+        out = {"ref": must_succeed(ref.result()), "killed": killed.result()}
+        out.update({k: must_succeed(f.result()) for k, f in stages.items()})
     out["resumed"] = must_succeed(run_training(killed_dir, [*zero2, "checkpoint.resume=auto"]))
     return out
 
@@ -48,8 +54,9 @@ def test_zero2_ep2_two_ranks_reproduce_one_rank_zero0_ga2(muon_runs):
     assert ref[STEPS] < ref[1]
 
 
-def test_zero3_ep2_two_ranks_reproduce_one_rank_zero0_ga2(muon_runs):
-    ref, got = muon_runs["ref"].losses(), muon_runs["zero3"].losses()
+@pytest.mark.parametrize("stage", [1, 3])
+def test_zero1_zero3_ep2_two_ranks_reproduce_one_rank_zero0_ga2(muon_runs, stage):
+    ref, got = muon_runs["ref"].losses(), muon_runs[f"zero{stage}"].losses()
     assert sorted(got) == list(range(1, STEPS + 1))
     for s in ref:
         assert got[s] == pytest.approx(ref[s], rel=1e-5, abs=0), s
@@ -70,5 +77,5 @@ def test_qk_clip_was_active_and_counted_the_same_heads_on_every_layout(muon_runs
 
     ref = heads(muon_runs["ref"])
     assert sum(ref.values()) > 0 and all("attn/max_logit" in r for r in muon_runs["ref"].metrics)
-    assert heads(muon_runs["zero3"]) == ref
+    assert heads(muon_runs["zero1"]) == heads(muon_runs["zero3"]) == ref
     assert {**heads(muon_runs["killed"]), **heads(muon_runs["resumed"])} == ref
