@@ -161,6 +161,35 @@ def absorbed_mla_attention(
     return torch.einsum("bthr,hvr->bthv", o_lat_BTHR, w_uv_HVR)
 
 
+@torch.no_grad()
+def mla_max_logits(
+    q_BTHE: torch.Tensor,
+    c_kv_BSR: torch.Tensor,
+    k_r_BSD: torch.Tensor,
+    w_kvb: torch.Tensor,
+    nope_dim: int,
+    mask_TS: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+    chunk: int = 128,
+) -> torch.Tensor:
+    """Per head, the largest pre-softmax logit scale * q_h . k_h,s over the pairs the mask allows: [H] fp32 (-inf
+    for a head with none). For QK-Clip (training/optim/qk_clip.py); queries in chunks bound the [B, H, t, S] scores."""
+    B, T, H, _ = q_BTHE.shape
+    S = c_kv_BSR.shape[1]
+    k_nope_BSHN = F.linear(c_kv_BSR, w_kvb).view(B, S, H, -1)[..., :nope_dim]
+    k_BHSE = torch.cat([k_nope_BSHN, k_r_BSD[:, :, None, :].expand(B, S, H, k_r_BSD.shape[-1])], -1).transpose(1, 2)
+    if is_causal and mask_TS is None:
+        mask_TS = torch.ones(T, S, dtype=torch.bool, device=q_BTHE.device).tril(diagonal=S - T)
+    out_H = torch.full((H,), float("-inf"), dtype=torch.float32, device=q_BTHE.device)
+    for t0 in range(0, T, chunk):
+        s_BHtS = torch.einsum("bthe,bhse->bhts", q_BTHE[:, t0 : t0 + chunk].float(), k_BHSE.float()) * scale
+        if mask_TS is not None:
+            s_BHtS = s_BHtS.masked_fill(~mask_TS[t0 : t0 + chunk], float("-inf"))
+        out_H = torch.maximum(out_H, s_BHtS.amax(dim=(0, 2, 3)))
+    return out_H
+
+
 # --- module -----------------------------------------------------------------------------------------------------
 
 
@@ -195,6 +224,10 @@ class GatedMLA(nn.Module):
         if self.use_output_gate:
             self.g_proj = nn.Linear(d, H * self.v_dim, bias=False)
         self.sequence_shard: SequenceShard | None = None  # set by sequence parallelism (model/sequence.py)
+        # QK-Clip's seam (training/optim/qk_clip.py): while `track_max_logit`, each forward raises `max_logit_H`
+        # [H] to the largest pre-softmax logit per head it saw (heads this rank does not own stay -inf)
+        self.track_max_logit = False
+        self.max_logit_H: torch.Tensor | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -245,6 +278,8 @@ class GatedMLA(nn.Module):
         T = q_BTHE.shape[1]
         if cache is not None:
             c_kv_BSR, k_r_BSD = cache.append(c_kv_BSR, k_r_BSD)
+        if self.track_max_logit:
+            self._track_max_logit(q_BTHE, c_kv_BSR, k_r_BSD, w_kvb, cu_seqlens, own if shard is not None else None)
         use_absorbed = cache is not None if absorbed is None else absorbed
         attend = absorbed_mla_attention if use_absorbed else naive_mla_attention
         args = (w_kvb, heads, self.nope_dim, self.v_dim)
@@ -270,6 +305,13 @@ class GatedMLA(nn.Module):
         if self.use_output_gate:  # element-wise, head-specific, query-dependent sigmoid (Gated Attention G1)
             o_BTF = (torch.sigmoid(upcast(self.g_proj(x_BTD))) * upcast(o_BTF)).to(x_BTD.dtype)
         return self.o_proj(o_BTF)
+
+    def _track_max_logit(self, q_BTHE, c_kv_BSR, k_r_BSD, w_kvb, cu_seqlens, own: slice | None) -> None:
+        mask_TS, is_causal = attention_mask(q_BTHE.shape[1], c_kv_BSR.shape[1], cu_seqlens, q_BTHE.device)
+        got_h = mla_max_logits(q_BTHE, c_kv_BSR, k_r_BSD, w_kvb, self.nope_dim, mask_TS, is_causal, self.scale)
+        full_H = torch.full((self.num_heads,), float("-inf"), dtype=torch.float32, device=q_BTHE.device)
+        full_H[own if own is not None else slice(None)] = got_h
+        self.max_logit_H = full_H if self.max_logit_H is None else torch.maximum(self.max_logit_H, full_H)
 
     def _check_inputs(
         self,

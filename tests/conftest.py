@@ -73,6 +73,7 @@ FIRST = (
     "test_documented_commands.py",  # 240
     "distributed/test_zero3_ep.py",  # 145
     "ep2_ref",  # 90 + 40
+    "distributed/test_muon_zero.py",  # 100 (5 jobs, 2 at a time)
     "ref_run",  # 60 + 45 + 30
     "distributed/test_sequence_parallel.py",  # 130 (95 + the SP2 x EP2 ZeRO-3 job; 252 on a loaded machine)
     "base_run",  # 25 + 30 + 15

@@ -56,6 +56,11 @@ class OptimName(Choice):
     muon = "muon"
 
 
+class MuonScale(Choice):
+    rms = "rms"  # Kimi K2 / Moonlight: 0.2 * sqrt(max(rows, cols)), AdamW-matched update RMS
+    shape = "shape"  # DeepSpeed / Keller Jordan: sqrt(max(1, rows / cols))
+
+
 class ScheduleName(Choice):
     cosine = "cosine"
     wsd = "wsd"
@@ -165,9 +170,11 @@ class OptimSection:
     lr: float = 3e-4
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
-    muon_lr: float = 0.02
+    muon_lr: float = 3e-4
     muon_momentum: float = 0.95
     muon_ns_steps: int = 5
+    muon_lr_scale: MuonScale = MuonScale.rms  # step scale of an orthogonalised block (training/optim/muon.py)
+    qk_clip_tau: Optional[float] = None  # QK-Clip's bound on MLA logits (Kimi K2: 100); null = off (docs/optim.md)
 
 
 @dataclass
@@ -348,6 +355,26 @@ def build_model_config(cfg: DictConfig) -> K3Config:
         raise TrainConfigError(f"model: {e}") from None
 
 
+def check_muon(cfg: DictConfig) -> None:
+    """optim=muon runs on DeepSpeed's ZeRO Muon (training/optim/muon.py); what that cannot do fails here."""
+    ds = cfg.deepspeed
+    if ds.offload_optimizer or ds.offload_param:
+        raise TrainConfigError(
+            "optim=muon cannot offload: DeepSpeed offload needs its own CPU Adam, not a client Muon; "
+            "use optim=adamw with offload or a deepspeed=zero0..zero3 preset without it"
+        )
+    if float(cfg.train.grad_clip) > 0:
+        raise TrainConfigError(
+            f"optim=muon with train.grad_clip={cfg.train.grad_clip}: DeepSpeed's ZeRO Muon would clip the "
+            "orthogonalised update (fixed norm), not the gradient; set train.grad_clip=0 (optim=muon's default)"
+        )
+    if ds.zero_stage == 3 and int(cfg.parallel.sp_size) > 1:
+        raise TrainConfigError(
+            "optim=muon with ZeRO-3 needs zero_optimization.reduce_scatter=false, which parallel.sp_size>1 "
+            "cannot use; use deepspeed=zero2 with sequence parallelism"
+        )
+
+
 def check_parallel_layout(cfg: DictConfig, world_size: int) -> None:
     """What DeepSpeed cannot run with ZeRO-3 + EP, checked on the generated DeepSpeed JSON (training/parallelize.py).
     Local imports: training.engine and training.parallelize import torch/DeepSpeed pieces this module avoids."""
@@ -393,14 +420,8 @@ def validate(cfg: DictConfig, world_size: int) -> K3Config:
     need(
         not ds.offload_param or ds.zero_stage == 3, "deepspeed.offload_param needs ZeRO-3; use deepspeed=zero3_offload"
     )
-    need(
-        not (cfg.optim.name == "muon" and (ds.offload_optimizer or ds.offload_param)),
-        "optim=muon is a client optimizer and DeepSpeed refuses offload with one; use optim=adamw for offload",
-    )
-    need(
-        not (cfg.optim.name == "muon" and ds.zero_stage != 0),
-        "optim=muon orthogonalises whole matrices, which ZeRO partitions; use deepspeed=zero0 with optim=muon",
-    )
+    if cfg.optim.name == "muon":
+        check_muon(cfg)
     need(par.ep_size >= 1, f"parallel.ep_size must be >= 1, got {par.ep_size}")
     need(
         world_size % par.ep_size == 0,
@@ -415,6 +436,11 @@ def validate(cfg: DictConfig, world_size: int) -> K3Config:
     need(0 <= cfg.schedule.warmup_frac < 1, f"schedule.warmup_frac must be in [0, 1), got {cfg.schedule.warmup_frac}")
     need(0 <= cfg.schedule.decay_frac <= 1, f"schedule.decay_frac must be in [0, 1], got {cfg.schedule.decay_frac}")
     need(cfg.optim.lr > 0, f"optim.lr must be > 0, got {cfg.optim.lr}")
+    tau = cfg.optim.qk_clip_tau
+    need(
+        tau is None or 0 < tau < float("inf"),
+        f"optim.qk_clip_tau must be > 0 (K2 uses 100) or null to turn QK-Clip off, got {tau}",
+    )
     need(cfg.logging.every >= 1, f"logging.every must be >= 1, got {cfg.logging.every}")
     need(cfg.checkpoint.every >= 0, f"checkpoint.every must be >= 0 (0 = only at the end), got {cfg.checkpoint.every}")
     need(

@@ -3,7 +3,7 @@
 One source of truth: `build_ds_config` derives every DeepSpeed key from the typed config (batch arithmetic,
 precision, clipping, ZeRO stage and offload) and deep-merges `deepspeed.extra` last, so any DeepSpeed key can be
 set from the command line (`+deepspeed.extra.zero_optimization.reduce_bucket_size=1e6`). Nothing JIT-compiles
-unless offload is requested: the optimizer is a client `torch.optim.AdamW` (or Muon) otherwise.
+unless offload is requested: the optimizer is a client `torch.optim.AdamW` (or Muon, training/optim/muon.py) otherwise.
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ def build_ds_config(cfg: DictConfig, world_size: int) -> dict[str, Any]:
         )
     if ds.zero_stage == 3:
         zero["sub_group_size"] = int(ds.sub_group_size)
+        if cfg.optim.name == "muon":  # stage3 refuses Muon with reduce-scatter: it needs whole gradients
+            zero["reduce_scatter"] = False
     if ds.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     if ds.offload_param:
@@ -126,6 +128,16 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     return [g for g in groups if g["params"]]
 
 
+def base_param_groups(cfg: DictConfig, model: nn.Module) -> list[dict[str, Any]]:
+    """The optimizer's groups before any expert split: Muon's (training/optim/muon.py) or AdamW's."""
+    wd = float(cfg.schedule.weight_decay)
+    if cfg.optim.name == "muon":
+        from training.optim.muon import muon_param_groups
+
+        return muon_param_groups(model, wd, cfg)
+    return param_groups(model, wd)
+
+
 def build_optimizer(
     cfg: DictConfig, model: nn.Module, groups: list[dict[str, Any]] | None = None
 ) -> torch.optim.Optimizer | None:
@@ -134,15 +146,12 @@ def build_optimizer(
         return None
     wd = float(cfg.schedule.weight_decay)
     if cfg.optim.name == "muon":
-        from training.optim.muon import Muon, muon_param_groups
+        from training.optim.muon import Muon
 
         return Muon(
-            muon_param_groups(model, wd, cfg),
-            lr=float(cfg.optim.lr),
-            betas=tuple(cfg.optim.betas),
-            eps=float(cfg.optim.eps),
-            momentum=float(cfg.optim.muon_momentum),
+            groups if groups is not None else base_param_groups(cfg, model),
             ns_steps=int(cfg.optim.muon_ns_steps),
+            scale=str(cfg.optim.muon_lr_scale),
         )
     groups = groups if groups is not None else param_groups(model, wd)
     # fused: one pass over each tensor (CPU and CUDA kernels), no temporaries; 6x the per-tensor loop on CPU

@@ -75,3 +75,4 @@ class StepResult:
     aux_loss: float | None = None
     counts_LE: torch.Tensor | None = None  # [L, E] global tokens per expert of the MoE layers
     balance_extra: list[dict[str, float]] = field(default_factory=list)  # per MoE layer, from the balancers
+    metrics: dict[str, float] = field(default_factory=dict)  # more logged values (QK-Clip's attn/, optim/)

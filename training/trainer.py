@@ -34,7 +34,7 @@ from training.config import (
     resolve_run_dir,
 )
 from training.distributed import all_reduce_sum, barrier, init_distributed
-from training.engine import build_ds_config, initialize, param_groups
+from training.engine import base_param_groups, build_ds_config, initialize
 from training.freeze import freeze
 from training.guard import StepGuard, TooManyBadSteps
 from training.guard import install as install_guard
@@ -47,6 +47,7 @@ from training.lora import (
     write_adapter_weights,
 )
 from training.metrics import RunLogger, flops_per_token, peak_flops
+from training.optim.qk_clip import QKClip
 from training.parallel.construct import build_model
 from training.parallel.ulysses import gradient_averaging_ranks
 from training.step import StepResult, pack_microbatch
@@ -131,7 +132,7 @@ class Trainer:
         self.model.set_loss_tiling(int(t.loss_tile_tokens))  # tiled logits + CE: no [T, V] logits (model/loss.py)
         self.model.set_ffn_tiling(int(t.ffn_tile_tokens))  # FFN recompute over sequence tiles (model/ffn.py)
         self.frozen_params = freeze(self.model, [str(g) for g in t.freeze])  # before the optimizer sees them
-        groups = self.ep.param_groups(self.model, param_groups(self.model, float(cfg.schedule.weight_decay)))
+        groups = self.ep.param_groups(self.model, base_param_groups(cfg, self.model))
         self.reducer = self.ep.stats_reducer()
         self.grad_ranks = gradient_averaging_ranks(self.world, self.ep.sp_size, int(cfg.deepspeed.zero_stage))
         if resume_from:  # another layout's ZeRO-3 checkpoint: DeepSpeed's universal format (training/parallel)
@@ -145,6 +146,7 @@ class Trainer:
         self.device = self.engine.device
         self.module = self.engine.module
         self.moe_layers = self.module.moe_layers()
+        self.qk_clip = QKClip(self.module, cfg.optim.qk_clip_tau)
         self.moe_layer_ids = [i for i in range(mcfg.num_hidden_layers) if mcfg.is_moe_layer(i)]
 
         self.loader = GlobalBatchLoader(
@@ -282,6 +284,7 @@ class Trainer:
         aux_sum = torch.zeros((), dtype=torch.float64)
         routing = balance.StepRouting()
         lr = float(self.scheduler.get_last_lr()[0]) if self.scheduler is not None else float(self.cfg.optim.lr)
+        self.qk_clip.begin_step(track=self.is_log_step(self.step + 1))
         for mb in mbs:
             out = self.engine(**mb.model_inputs(self.device))
             n = mb.n_targets
@@ -299,6 +302,7 @@ class Trainer:
         skipped = self.guard.after_step(self.step + 1, self.engine.was_step_applied(), loss)
         global_stats = routing.reduce_global(self.reducer)  # collective on every rank, skipped or not
         extra = [] if skipped else balance.apply(self.moe_layers, global_stats)  # a bad step moves no bias
+        qk = self.qk_clip.after_step(applied=not skipped)  # collective; clips the weights the next forward sees
         gn = self.engine.get_global_grad_norm()
         return StepResult(
             loss=loss,
@@ -310,6 +314,7 @@ class Trainer:
             aux_loss=float(totals[1]) / self.world if self.mcfg.moe_balance == "aux" else None,
             counts_LE=balance.counts_LE(global_stats),
             balance_extra=extra,
+            metrics=qk,
         )
 
     # --- checkpoints --------------------------------------------------------------------------------------------
@@ -362,8 +367,9 @@ class Trainer:
         raise TooManyBadSteps(msg)
 
     # --- the loop -----------------------------------------------------------------------------------------------
-    def is_log_step(self) -> bool:
-        return self.step % int(self.cfg.logging.every) == 0 or self.step == int(self.cfg.train.steps)
+    def is_log_step(self, step: int | None = None) -> bool:
+        step = self.step if step is None else step
+        return step % int(self.cfg.logging.every) == 0 or step == int(self.cfg.train.steps)
 
     def run(self) -> dict[str, Any]:
         cfg, steps = self.cfg, int(self.cfg.train.steps)
@@ -386,6 +392,7 @@ class Trainer:
                 }
                 if last.aux_loss is not None:
                     record["aux_loss"] = last.aux_loss
+                record.update(last.metrics)
                 self.callbacks.on_log(self, record)
                 self.logger.log(self.step, record)
             self.callbacks.on_step_end(self)

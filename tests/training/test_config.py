@@ -127,7 +127,6 @@ def test_unknown_model_field_fails_at_compose_time():
         (["model.num_experts_per_token=99"], 1, "num_experts_per_token"),
         (["parallel.ep_size=3"], 2, "must divide the world size"),
         (["parallel.ep_size=2", "model.num_experts=3", "model.num_experts_per_token=1"], 2, "model.num_experts"),
-        (["optim=muon", "deepspeed=zero2"], 1, "deepspeed=zero0"),
         (["optim=muon", "deepspeed=zero2_offload"], 1, "offload"),
         (["deepspeed=zero0", "deepspeed.offload_optimizer=true"], 1, "ZeRO stage >= 1"),
         (["train.seq_len=4096", "model.max_position_embeddings=1024"], 1, "max_position_embeddings"),

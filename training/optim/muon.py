@@ -1,9 +1,30 @@
-"""Muon: momentum whose update matrix is orthogonalised by a Newton-Schulz iteration, AdamW for the rest.
+"""Muon on DeepSpeed's sharded Muon plumbing: orthogonalised momentum for hidden matrices, AdamW for the rest.
 
-Hidden weight matrices (`*proj.weight`, stacked experts `experts.w1/w2/w3` per expert) take Muon steps; the
-query/key/value projections are orthogonalised per head (the [H*K, d] matrix as H independent [K, d] blocks),
-since each head is its own linear map. Embeddings, lm_head, norms, gates' 1-D parameters and convolutions take
-AdamW steps. Needs whole matrices, so it runs with ZeRO stage 0 (validated in training/config.py).
+Hidden weight matrices (`*proj.weight`, `kv_a_proj_with_mqa`, stacked routed experts `experts.w1/w2/w3`, one
+matrix per expert) take Muon steps; KDA q/k/v and MLA `q_b_proj`/`kv_b_proj` are orthogonalised per head (the
+[H*K, d] matrix as H independent [K, d] blocks, since each head is its own linear map). Embeddings, lm_head, the
+router, norms, conv, [1, d] vectors and every 1-D parameter take AdamW steps.
+
+DeepSpeed 0.19.8 does the distribution when the optimizer is a `MuonWithAuxAdam` and the parameters carry
+`use_muon` (and `muon_num_heads`): ZeRO-1/2 all-reduce a Muon matrix's whole gradient to every rank holding a
+piece of it and orthogonalise it while the gradient partition is built (`stage_1_and_2.get_flat_partition` /
+`_get_flat_partition_unpadded`, momentum flat in `optimizer.state[partition]["momentum_buffer"]`, so it is
+checkpointed); ZeRO-3 (`reduce_scatter: false`) all-gathers whole gradients and orthogonalises them round-robin
+(`stage3._muon_update_sub_group`, momentum partitioned in the optimizer state). The flat partitions then reach
+`Muon.step` holding the update, which applies weight decay and the step size.
+
+What is ours is the per-matrix kernel. Every one of those call sites imports `muon_update` from
+`deepspeed.runtime.zero.muon.original_muon` inside the function, at call time (the contract relied on);
+`install_muon_update` points that name at `muon_update` below, with DeepSpeed's signature and momentum rule
+(momentum <- lerp(momentum, g, 1 - beta), nesterov update lerp(g, momentum, beta), non-finite gradients leave the
+momentum alone). Why not DeepSpeed's: it is `torch.compile`d (an inductor build per shape on first use, where
+k3-train compiles nothing), it runs Newton-Schulz in bf16 on any accelerator reporting bf16 support (the CPU one
+does: 2 ranks could not reproduce 1 rank to 1e-5), and its step scale is fixed to sqrt(max(1, rows/cols)). Ours
+iterates in >= fp32 and scales by `optim.muon_lr_scale`:
+  * `rms` (Kimi K2 / Moonlight): 0.2 * sqrt(max(rows, cols)), the update's RMS matches AdamW's (~0.2), so
+    `optim.muon_lr` can be AdamW's lr;
+  * `shape` (DeepSpeed, Keller Jordan): sqrt(max(1, rows / cols)), spectral-norm units, lr ~0.02.
+rows x cols is the orthogonalised block: one head's [K, d], one expert's matrix, or the whole matrix.
 """
 
 from __future__ import annotations
@@ -13,12 +34,17 @@ import re
 from typing import Any, Iterable
 
 import torch
+from deepspeed.runtime.zero.muon import original_muon
+from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 from torch import nn
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # quintic iteration pushing singular values towards 1
+SCALES = ("rms", "shape")
 _PER_HEAD = re.compile(r"\.(q_proj|k_proj|v_proj|q_b_proj|kv_b_proj)\.weight$")
-_MUON = re.compile(r"(proj\.weight|experts\.w[123])$")
+_MUON = re.compile(r"(proj\.weight|proj_with_mqa\.weight|experts\.w[123])$")
 _LAYER = re.compile(r"layers\.(\d+)\.")
+# set by install_muon_update; read by muon_update, which DeepSpeed calls without these arguments
+_SETTINGS: dict[str, Any] = {"ns_steps": 5, "scale": "rms"}
 
 
 def newton_schulz(g_BMN: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
@@ -38,73 +64,95 @@ def newton_schulz(g_BMN: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> tor
     return x.to(g_BMN.dtype)
 
 
-def orthogonalise(update: torch.Tensor, heads: int | None, steps: int) -> torch.Tensor:
-    """Orthogonalised update with Muon's shape scale sqrt(max(1, rows/cols)), per head or per leading index."""
+def block_scale(rows: int, cols: int, scale: str) -> float:
+    """Step scale of an orthogonalised [rows, cols] block (see the module docstring)."""
+    if scale == "rms":
+        return 0.2 * math.sqrt(max(rows, cols))
+    if scale == "shape":
+        return math.sqrt(max(1.0, rows / cols))
+    raise ValueError(f"optim.muon_lr_scale must be one of {SCALES}, got {scale!r}")
+
+
+def orthogonalise(update: torch.Tensor, heads: int | None, steps: int, scale: str = "shape") -> torch.Tensor:
+    """Orthogonalised, scaled update: per head ([H*K, d] as H [K, d] blocks), per leading index (stacked experts
+    [E, a, b]) or the whole matrix."""
     if update.dim() == 2 and heads:
-        H = heads
-        blocks = update.reshape(H, update.shape[0] // H, update.shape[1])  # [H, K, d]
+        if update.shape[0] % heads:
+            raise ValueError(f"per-head Muon: {update.shape[0]} rows do not split into {heads} heads")
+        blocks = update.reshape(heads, update.shape[0] // heads, update.shape[1])  # [H, K, d]
     elif update.dim() == 2:
         blocks = update.unsqueeze(0)
     else:
         blocks = update.reshape(-1, update.shape[-2], update.shape[-1])  # stacked experts [E, a, b]
     o = newton_schulz(blocks, steps)
-    scale = math.sqrt(max(1.0, blocks.shape[-2] / blocks.shape[-1]))
-    return (o * scale).reshape(update.shape)
+    return (o * block_scale(blocks.shape[-2], blocks.shape[-1], scale)).reshape(update.shape)
 
 
-class Muon(torch.optim.Optimizer):
-    """Groups with `use_muon=True` take Muon steps (lr = group's `lr`); the others AdamW (decoupled decay)."""
+@torch.no_grad()
+def muon_update(
+    grad: torch.Tensor,
+    momentum: torch.Tensor,
+    beta: float = 0.95,
+    ns_steps: int | None = None,
+    nesterov: bool = True,
+    ns_method: str = "standard",
+    is_expert_group: bool = False,
+    num_heads: int | None = None,
+) -> torch.Tensor:
+    """DeepSpeed's `original_muon.muon_update` contract (updates `momentum` in place, returns the update in
+    `grad`'s dtype), computed by `orthogonalise` in >= fp32. `ns_method` is accepted and ignored (one iteration);
+    a 3-D gradient is a stack of experts whatever `is_expert_group` says."""
+    finite = torch.isfinite(grad).all()
+    momentum.copy_(torch.where(finite, momentum.lerp(grad.to(momentum.dtype), 1 - beta), momentum))
+    upd = grad.to(momentum.dtype).lerp(momentum, beta) if nesterov else momentum
+    steps = int(ns_steps if ns_steps is not None else _SETTINGS["ns_steps"])
+    out = orthogonalise(upd, num_heads, steps, _SETTINGS["scale"]).to(grad.dtype)
+    return torch.where(finite, out, grad)  # a non-finite step stays visible to the overflow check
 
-    def __init__(
-        self,
-        params: Iterable[dict[str, Any]],
-        lr: float = 3e-4,
-        betas=(0.9, 0.95),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        momentum: float = 0.95,
-        ns_steps: int = 5,
-        nesterov: bool = True,
-    ):
-        defaults = dict(
-            lr=lr,
-            betas=tuple(betas),
-            eps=eps,
-            weight_decay=weight_decay,
-            momentum=momentum,
-            ns_steps=ns_steps,
-            nesterov=nesterov,
-            use_muon=False,
-            heads=None,
-        )
-        super().__init__(params, defaults)
+
+def install_muon_update(ns_steps: int, scale: str) -> None:
+    """Make DeepSpeed's ZeRO Muon paths call `muon_update` (process-wide: one Muon configuration per process)."""
+    block_scale(1, 1, scale)  # validates
+    _SETTINGS.update(ns_steps=int(ns_steps), scale=str(scale))
+    original_muon.muon_update = muon_update
+
+
+class Muon(MuonWithAuxAdam):
+    """DeepSpeed's `MuonWithAuxAdam` (ZeRO recognises it by isinstance) with our kernel and AdamW.
+
+    Groups with `use_muon=True`: a flat ZeRO partition (1-D) already holds its update (see the module docstring),
+    a whole matrix (ZeRO-0) is orthogonalised here with its `muon_num_heads`; both then take
+    p <- p (1 - lr wd) - lr update. Other groups: AdamW with decoupled decay (torch.optim.AdamW's maths)."""
+
+    def __init__(self, groups: Iterable[dict[str, Any]], ns_steps: int = 5, scale: str = "rms"):
+        install_muon_update(ns_steps, scale)
+        super().__init__(list(groups))  # inline AdamW (no aux optimizer): nothing compiles
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, step_id=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            if group["use_muon"]:
-                self._muon_group(group)
-            else:
-                self._adamw_group(group)
+            (self._muon_group if group["use_muon"] else self._adamw_group)(group)
         return loss
 
     def _muon_group(self, group: dict[str, Any]) -> None:
-        lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+        lr, wd = group["lr"], group["weight_decay"]
         for p in group["params"]:
             if p.grad is None:
                 continue
-            st = self.state[p]
-            if "momentum_buffer" not in st:
-                st["momentum_buffer"] = torch.zeros_like(p)
-            buf = st["momentum_buffer"]
-            buf.mul_(mu).add_(p.grad)
-            upd = p.grad.add(buf, alpha=mu) if group["nesterov"] else buf
+            if p.dim() < 2:
+                upd = p.grad
+            else:
+                st = self.state[p]
+                if "momentum_buffer" not in st:
+                    st["momentum_buffer"] = torch.zeros_like(p)
+                heads = getattr(p, "muon_num_heads", None)
+                upd = muon_update(p.grad.clone(), st["momentum_buffer"], group["momentum"], num_heads=heads)
             p.mul_(1 - lr * wd)
-            p.add_(orthogonalise(upd, group["heads"], group["ns_steps"]), alpha=-lr)
+            p.add_(upd.reshape(p.shape), alpha=-lr)
 
     def _adamw_group(self, group: dict[str, Any]) -> None:
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
@@ -126,32 +174,45 @@ class Muon(torch.optim.Optimizer):
             p.addcdiv_(st["exp_avg"], denom, value=-lr / (1 - b1**k))
 
 
+def muon_heads(name: str, shape: tuple[int, ...], mcfg) -> int | None:
+    """Heads to orthogonalise separately for parameter `name` (KDA q/k/v, MLA q_b_proj/kv_b_proj), else None."""
+    m = _LAYER.search(name)
+    if mcfg is None or not _PER_HEAD.search(name) or not m:
+        return None
+    t = mcfg.layer_types[int(m.group(1))]
+    h = mcfg.kda_num_heads if t == "kda" else mcfg.num_attention_heads
+    return h if shape[0] % h == 0 else None
+
+
+def is_muon_matrix(name: str, shape: tuple[int, ...]) -> bool:
+    """Hidden matrices (a vector shaped [1, d], such as AttnRes pseudo-queries, is not one)."""
+    if not _MUON.search(name) or len(shape) not in (2, 3) or min(shape[-2:]) < 2:
+        return False
+    return "embed" not in name and "lm_head" not in name
+
+
 def muon_param_groups(model: nn.Module, weight_decay: float, cfg) -> list[dict[str, Any]]:
-    """Split `model` into Muon groups (per-head q/k/v by layer type, other matrices) and AdamW groups."""
+    """One Muon group (parameters tagged `use_muon`, `muon_num_heads` for DeepSpeed) and two AdamW groups."""
     mcfg = getattr(model, "config", None)
-    types = mcfg.layer_types if mcfg is not None else []
-    muon_lr, adam_lr = float(cfg.optim.muon_lr), float(cfg.optim.lr)
-    by_heads: dict[int | None, list[nn.Parameter]] = {}
-    adam_decay, adam_plain = [], []
+    o = cfg.optim
+    muon, adam_decay, adam_plain = [], [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if _MUON.search(name) and p.dim() in (2, 3) and "embed" not in name and "lm_head" not in name:
-            heads = None
-            m = _LAYER.search(name)
-            if _PER_HEAD.search(name) and m and types:
-                t = types[int(m.group(1))]
-                h = mcfg.kda_num_heads if t == "kda" else mcfg.num_attention_heads
-                heads = h if p.shape[0] % h == 0 else None
-            by_heads.setdefault(heads, []).append(p)
-        elif p.dim() >= 2:
+        shape = tuple(getattr(p, "ds_shape", p.shape))  # ZeRO-3 built sharded: flat already (training/parallel)
+        if is_muon_matrix(name, shape):
+            p.use_muon, p.muon_num_heads = True, muon_heads(name, shape, mcfg)
+            p.is_expert_group = len(shape) == 3
+            muon.append(p)
+        elif len(shape) >= 2:
             adam_decay.append(p)
         else:
             adam_plain.append(p)
+    adam = dict(use_muon=False, lr=float(o.lr), betas=tuple(float(b) for b in o.betas), eps=float(o.eps))
     groups: list[dict[str, Any]] = [
-        {"params": ps, "use_muon": True, "heads": h, "lr": muon_lr, "weight_decay": weight_decay}
-        for h, ps in by_heads.items()
+        dict(params=muon, use_muon=True, lr=float(o.muon_lr), momentum=float(o.muon_momentum), ns_method="standard")
+        | {"weight_decay": weight_decay},
+        dict(adam, params=adam_decay, weight_decay=weight_decay),
+        dict(adam, params=adam_plain, weight_decay=0.0),
     ]
-    groups.append({"params": adam_decay, "use_muon": False, "lr": adam_lr, "weight_decay": weight_decay})
-    groups.append({"params": adam_plain, "use_muon": False, "lr": adam_lr, "weight_decay": 0.0})
     return [g for g in groups if g["params"]]
