@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -153,7 +154,7 @@ class ExpertLoRA(nn.Module):
         if self.w1_A.is_meta:
             return
         base = int(torch.randint(0, 2**62, (), dtype=torch.int64))
-        gen = torch.Generator(device=self.w1_A.device)
+        gen = torch.Generator(device=cast(torch.Tensor, self.w1_A).device)
         for j in range(self.num_local):
             gen.manual_seed(base + self.expert_offset + j)
             for w in EXPERT_WEIGHTS:
@@ -195,7 +196,8 @@ def apply_lora(model: nn.Module, spec: LoRASpec) -> list[str]:
             mod.__class__ = LoRALinear
             mod.lora_A = LoRAFactor(spec.rank, mod.in_features, zero=False, device=dev)
             mod.lora_B = LoRAFactor(mod.out_features, spec.rank, zero=True, device=dev)
-            mod.lora_scale, mod.lora_dropout = spec.scale(spec.rank), float(spec.dropout)
+            mod.lora_scale = spec.scale(spec.rank)  # type: ignore[assignment]  # a float on the module
+            mod.lora_dropout = float(spec.dropout)  # type: ignore[assignment]
             adapted.append(name)
         elif leaf == EXPERTS_TARGET and hasattr(mod, "w1") and EXPERTS_TARGET in spec.targets and spec.expert_rank:
             inter, latent = mod.w1.shape[1], mod.w1.shape[2]
@@ -211,7 +213,7 @@ def apply_lora(model: nn.Module, spec: LoRASpec) -> list[str]:
             adapted.append(name)
     for pname, p in model.named_parameters():
         p.requires_grad_(is_adapter_param(pname))
-    model.lora_spec = spec
+    model.lora_spec = spec  # type: ignore[assignment]  # the spec rides on the model (training/lora.py)
     return adapted
 
 
@@ -233,12 +235,13 @@ def merge_lora(model: nn.Module) -> nn.Module:
         if isinstance(mod, LoRALinear):
             mod.weight.copy_(mod.merged_weight())
             del mod.lora_A, mod.lora_B
-            mod.__class__ = nn.Linear
-        elif isinstance(getattr(mod, "lora", None), ExpertLoRA):
-            for w, merged in zip(EXPERT_WEIGHTS, mod.lora.merge(mod.w1, mod.w3, mod.w2)):
+            mod.__class__ = nn.Linear  # type: ignore[assignment]  # back to the plain class
+        elif isinstance(lora := getattr(mod, "lora", None), ExpertLoRA):
+            base = [cast(torch.Tensor, getattr(mod, w)) for w in EXPERT_WEIGHTS]  # (w1, w3, w2)
+            for w, merged in zip(EXPERT_WEIGHTS, lora.merge(*base)):
                 getattr(mod, w).copy_(merged)
             del mod.lora
-            mod.lora = None
+            mod.lora = None  # type: ignore[assignment]
     for p in model.parameters():
         p.requires_grad_(True)
     if hasattr(model, "lora_spec"):

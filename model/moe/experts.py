@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -309,7 +310,8 @@ class LatentExperts(nn.Module):
         """(w1, w3, w2) as applied: the parameters, or with LoRA base + s * B @ A per expert (three bmm's)."""
         if self.lora is None:
             return self.w1, self.w3, self.w2
-        merged = self.lora.merge(self.w1, self.w3, self.w2)
+        lora: Any = self.lora  # model/lora.py ExpertLoRA (not imported here: model.lora builds on this module)
+        merged = lora.merge(self.w1, self.w3, self.w2)
         if self._merged is not None:  # inside recompute_merged(): remember them, by storage, for the pack hook
             for w, t in zip(("w1", "w3", "w2"), merged):
                 self._merged[(t.data_ptr(), tuple(t.shape))] = w
