@@ -26,9 +26,9 @@ from model import K3Config
 from training import balance, checkpoint
 from training.callbacks import CallbackList, default_callbacks, load_callback
 from training.checkpoint import safe_load
+from training.checks import checkpoint_tokenizer
 from training.config import (
     TrainConfigError,
-    checkpoint_tokenizer,
     data_parallel_size,
     global_batch_rows,
     resolve_run_dir,
