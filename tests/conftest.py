@@ -67,30 +67,30 @@ SHARED = {
     "real_run": ("training/test_report.py", "training/test_generate_cli.py"),
     "data-fixtures": ("data/",),  # corpus, tokenizers (tests/data/conftest.py)
 }
-# Units start in this order, the longest first (seconds on an idle 2-core machine, run alone), so the two workers
-# end together: a unit not listed starts after these, in collection order (all of them are short).
+# Units start in this order, the longest first (seconds of `pytest --durations` on an idle 2-core machine, both
+# workers busy, 2026-12-04), so the two workers end together: a unit not listed starts after these, in collection order (all of them are short).
 FIRST = (
-    "test_documented_commands.py",  # 240
-    "distributed/test_zero3_ep.py",  # 145
-    "ep2_ref",  # 90 + 40
-    "distributed/test_muon_zero.py",  # 100 (5 jobs, 2 at a time)
-    "ref_run",  # 60 + 45 + 30
-    "distributed/test_sequence_parallel.py",  # 130 (95 + the SP2 x EP2 ZeRO-3 job; 252 on a loaded machine)
-    "base_run",  # 25 + 30 + 15
-    "distributed/test_launch.py",  # 55
-    "fault/test_sweep.py",  # 40
-    "training/test_freeze.py",  # 20-40 (one 1-process run)
-    "distributed/test_vision_train.py",  # 26-35 (a 2-rank EP=2 job beside a 1-process one)
-    "training/test_lora.py",  # 66 (measured on the shared machine)
-    "distributed/test_lora.py",  # 54
-    "distributed/test_expert_parallel_engine.py",  # 25
-    "training/test_entry_points.py",  # 30
-    "training/test_sft.py",  # 25
-    "fault/test_nonfinite.py",  # 25
-    "training/test_run_files.py",  # 20
-    "fault/test_processes.py",  # 20
-    "fault/test_soak.py",  # 17
+    "test_documented_commands.py",  # 361
+    "ep2_ref",  # 173 + 67
+    "ref_run",  # 70 + 60 + 47
+    "distributed/test_sequence_parallel.py",  # 160 + 19
+    "distributed/test_zero3_ep.py",  # 92 + 5
+    "distributed/test_muon_zero.py",  # 80
+    "base_run",  # 38 + 17 + 14 + 11 + 8
+    "training/test_entry_points.py",  # 37 + 7 + 6
+    "fault/test_sweep.py",  # 47
+    "training/test_lora.py",  # 20 + 11 + 6 + 5
+    "training/test_sft.py",  # 21 + 11 + 8
+    "distributed/test_launch.py",  # 37
+    "distributed/test_expert_parallel_engine.py",  # 34
+    "distributed/test_lora.py",  # 33
+    "fault/test_nonfinite.py",  # 24
+    "training/test_run_files.py",  # 10 + 9
+    "fault/test_soak.py",  # 19
+    "fault/test_processes.py",  # 18
+    "distributed/test_vision_train.py",  # 15
     "model/test_typecheck.py",  # 13
+    "training/test_freeze.py",  # 9
 )
 
 

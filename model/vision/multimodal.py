@@ -46,8 +46,14 @@ class K3ForConditionalGeneration(nn.Module):
     def set_sequence_shard(self, shard: SequenceShard | None) -> None:
         self.language_model.set_sequence_shard(shard)
 
-    def set_gradient_checkpointing(self, enabled: bool = True) -> None:
-        self.language_model.set_gradient_checkpointing(enabled)
+    def set_gradient_checkpointing(self, enabled: bool = True, offload: bool = False) -> None:
+        self.language_model.set_gradient_checkpointing(enabled, offload=offload)
+
+    def set_loss_tiling(self, tokens: int) -> None:
+        self.language_model.set_loss_tiling(tokens)
+
+    def set_ffn_tiling(self, tokens: int) -> None:
+        self.language_model.set_ffn_tiling(tokens)
 
     # --- images -------------------------------------------------------------------------------------------------
     def image_features(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> torch.Tensor:

@@ -250,3 +250,16 @@ def test_image_positions_are_never_targets():
     ids = _prompt([2])
     masked = m(ids, px, grid, labels=ids.masked_fill(ids == MEDIA, -100)).loss
     torch.testing.assert_close(m(ids, px, grid, labels=ids).loss, masked, rtol=0, atol=0)
+
+
+def test_the_trainers_switches_reach_the_text_model_inside():
+    """Checkpointing (with host offload), loss tiling and FFN tiling set on the multimodal model are set on its
+    K3ForCausalLM (the trainer calls them on whatever model it built)."""
+    mm = K3ForConditionalGeneration(micro_mm_config())
+    mm.set_gradient_checkpointing(True, offload=True)
+    mm.set_loss_tiling(16)
+    mm.set_ffn_tiling(8)
+    lm = mm.language_model
+    assert all(layer.gradient_checkpointing and layer.checkpoint_offload for layer in lm.decoder_layers())
+    assert lm.lm_head.tile_rows == 16
+    assert {m.tile_rows for m in lm.modules() if hasattr(m, "tile_rows") and m is not lm.lm_head} == {8}
