@@ -68,7 +68,8 @@ SHARED = {
     "data-fixtures": ("data/",),  # corpus, tokenizers (tests/data/conftest.py)
 }
 # Units start in this order, the longest first (seconds of `pytest --durations` on an idle 2-core machine, both
-# workers busy, 2026-12-04), so the two workers end together: a unit not listed starts after these, in collection order (all of them are short).
+# workers busy, 2026-12-04), so the two workers end together: a unit not listed starts after these, in collection
+# order (all of them are short).
 FIRST = (
     "test_documented_commands.py",  # 361
     "ep2_ref",  # 173 + 67
