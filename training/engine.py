@@ -178,6 +178,8 @@ def initialize(
     sequence-parallel groups (training/parallel/ulysses.py), None without sequence parallelism."""
     import deepspeed
 
+    import training.optim.ds_muon  # noqa: F401 - before deepspeed.initialize imports it compiled (see the module)
+
     opt = build_optimizer(cfg, model, groups)
     fn = lr_lambda(cfg, total_steps)
 

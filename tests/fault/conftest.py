@@ -18,6 +18,7 @@ from tests.distributed.conftest import (  # noqa: F401  (re-exported for the fau
     REF,
     REF_STEPS,
     TINY,
+    TINY_WANDB,
     RunResult,
     must_succeed,
     read_metrics,
@@ -157,7 +158,7 @@ def base_run(runs_root, tokenizer_path) -> RunResult:
     res = run_training(
         runs_root / "base",
         [
-            *TINY,
+            *TINY_WANDB,
             f"train.steps={BASE_STEPS}",
             "checkpoint.every=1",
             "checkpoint.keep_last=10",
@@ -187,7 +188,7 @@ def resume_overrides(run: RunResult, steps: int, allow: tuple[str, ...] = ()) ->
     src = cfg.data.sources[0]
     allowed = [*allow, *(["train.steps"] if steps != BASE_STEPS and "train.steps" not in allow else [])]
     return [
-        *TINY,
+        *TINY_WANDB,
         f"train.steps={steps}",
         "checkpoint.every=1",
         "checkpoint.keep_last=10",

@@ -34,9 +34,9 @@ import re
 from typing import Any, Iterable
 
 import torch
-from deepspeed.runtime.zero.muon import original_muon
-from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 from torch import nn
+
+from training.optim.ds_muon import MuonWithAuxAdam, original_muon
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # quintic iteration pushing singular values towards 1
 SCALES = ("rms", "shape")
