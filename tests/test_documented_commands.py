@@ -56,6 +56,7 @@ BENCH_TINY = {
     "bench.data": " --reps 1 --model-reps 1 --fresh-tokens 20000 --fresh-reps 1",
     "bench.memory": " --cases tiny:64",
     "bench.long_context": " --seqs 256",
+    "bench.optim_loss": " --steps 2 --seeds 0",  # one seed, 2 steps: both optimizers' smoke jobs
     "bench.gpu_check": " --reps 1 --steps 1",  # its CPU dry run: 1 timed rep of each part (a bf16 step takes seconds)
 }
 
