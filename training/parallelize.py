@@ -310,8 +310,8 @@ def structural_twin(config: K3Config) -> K3Config:
         "vocab_size": 64,
         "hidden_size": 32,
         "intermediate_size": 32,
-        "moe_intermediate_size": 16,
-        "routed_expert_hidden_size": 16,
+        "moe_intermediate_size": 32,  # 32: an MXFP4 group (lora.base_experts=mxfp4)
+        "routed_expert_hidden_size": 32,
         "num_attention_heads": 2,
         "num_key_value_heads": 2,
         "kv_lora_rank": 16,
