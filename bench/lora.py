@@ -85,6 +85,8 @@ def rank_child(preset: str, seq: int, mode: str, base: str, steps: int, out: str
         model, par = build_model(mcfg, 0, 2, 3, ds, init_from=base, lora=lora_spec(cfg))
         groups = par.param_groups(model, param_groups(model, 0.0))
         engine, _, _ = initialize(cfg, model, ds, groups)
+        start_peak, heap.peak = heap.peak, heap.now()  # from here on: the train steps' peak
+        at_start = heap.now()
         for _ in range(steps):
             t0 = time.perf_counter()
             res = engine(ids, labels=ids)
@@ -92,7 +94,14 @@ def rank_child(preset: str, seq: int, mode: str, base: str, steps: int, out: str
             engine.step()
             times.append(time.perf_counter() - t0)
             del res
-    rec = {"rank": info.rank, "peak_heap_GB": heap.peak / GB, "step_s": sum(times[1:]) / max(1, len(times) - 1)}
+    rec = {
+        "rank": info.rank,
+        "peak_heap_GB": max(start_peak, heap.peak) / GB,
+        "start_peak_GB": start_peak / GB,
+        "step_peak_GB": heap.peak / GB,
+        "resident_before_steps_GB": at_start / GB,
+        "step_s": sum(times[1:]) / max(1, len(times) - 1),
+    }
     Path(f"{out}.rank{info.rank}.json").write_text(json.dumps(rec))
 
 
