@@ -4,15 +4,20 @@
     DS_ACCELERATOR=cpu .venv/bin/python -m bench.lora --preset tiny --seq 64 --steps 2
 
 One run measures three modes on the same layout (ZeRO-3 + EP=2, 2 ranks under the real `deepspeed` launcher,
-bf16, batch 1) and the same base (the preset's random init written as an HF checkpoint, bf16):
-`full` (every parameter trains), `lora_bf16` (`finetune=lora`, frozen base in bf16) and `lora_mxfp4`
-(`lora.base_experts=mxfp4`: frozen routed experts as MXFP4 codes, quantised on load). Each rank builds the model
-the trainer's way (training/parallel/construct.py: meta, sharded read of the checkpoint, ZeRO-3 partitions) and
-the engine (training/engine.py), then runs `--steps` train steps on random tokens. Memory: the peak in-use heap
-growth (glibc `mallinfo2`, training/metrics/heap.py, 128 KiB mmap threshold) from before the model to the end
-of the last step, everything included (runtime heap too). Step time: the mean of the steps after the first.
-Beside it, `training.plan`'s per-rank total for the same job (training/tools/lora_memory.py for LoRA; no
-reserve). Goal (issue 26): LoRA with the MXFP4 base <= 0.35x the full fine-tuning memory.
+batch 1) and the same base (the preset's random init written as an HF checkpoint): `full` (every parameter
+trains), `lora_bf16` (`finetune=lora`, the frozen base in the model dtype) and `lora_mxfp4`
+(`lora.base_experts=mxfp4`: frozen routed experts as MXFP4 codes, quantised on load). Precision is fp32, the
+trainer's CPU default: with `train.precision=bf16` the sharded ZeRO-3 start keeps fp32 partitions on CPU (the
+parameters are made in fp32, training/parallel/construct.py `materialise`), so a "bf16" run would not hold bf16
+weights; on CPU the `lora_bf16` mode's base is therefore fp32 (4 B a weight against MXFP4's 4.25 bits).
+Each rank builds the model the trainer's way (meta, sharded read of the checkpoint, ZeRO-3 partitions) and the
+engine (training/engine.py), then runs `--steps` train steps on random tokens. Memory: the peak in-use heap
+growth (glibc `mallinfo2`, training/metrics/heap.py, 128 KiB mmap threshold) from before the model to the end of
+the last step, everything included (`peak_heap_GB`, the ratio `x_full_memory`); `start_peak_GB` is the peak
+of the start-up (model + engine), `step_tensors_GB` the train steps' peak minus the non-tensor runtime heap
+(bench/memory.py's measured constant), which is what `training.plan` models (`est_GB`: its per-rank total for
+the same job, training/tools/lora_memory.py for LoRA, no reserve; goal within 10%). Step time: the mean of the
+steps after the first. Goal (issue 26): LoRA with the MXFP4 base <= 0.35x the full fine-tuning memory.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ def job_overrides(preset: str, seq: int, mode: str, base: str) -> list[str]:
         "parallel.ep_size=2",
         f"train.seq_len={seq}",
         "train.micro_batch_size=1",
-        "train.precision=bf16",
+        "train.precision=fp32",  # the trainer's CPU default (bf16 under the sharded ZeRO-3 start keeps fp32 partitions)
         "logging=disabled",
         *MODES[mode],
     ]
@@ -142,6 +147,9 @@ def measure(preset: str, seq: int, modes: list[str], steps: int, workdir: Path) 
     base = workdir / f"{preset}-base"
     if not base.exists():
         make_base(preset, base)
+    from bench.memory_dist import runtime_heap
+
+    rt = runtime_heap(preset, seq, env)  # the non-tensor heap of a train step (bench/memory.py's constant)
     rows = []
     for mode in modes:
         out = str(workdir / f"{preset}_{seq}_{mode}")
@@ -160,7 +168,9 @@ def measure(preset: str, seq: int, modes: list[str], steps: int, workdir: Path) 
     full = {r["rank"]: r["peak_heap_GB"] for r in rows if r["mode"] == "full"}
     for r in rows:
         r["x_full_memory"] = r["peak_heap_GB"] / full[r["rank"]] if r["rank"] in full else None
-        r["est_ratio"] = r["peak_heap_GB"] / r["est_GB"]
+        r["runtime_heap_GB"] = rt
+        r["step_tensors_GB"] = r["step_peak_GB"] - rt  # what the planner models: the train step's tensors
+        r["est_ratio"] = r["step_tensors_GB"] / r["est_GB"]
     return rows
 
 
@@ -183,10 +193,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="k3-lora-") as d:
         rows = measure(a.preset, a.seq, a.modes, a.steps, Path(d))
     print_table(
-        f"LoRA vs full fine-tuning, 2 CPU ranks ZeRO-3 + EP=2, {a.preset}, seq {a.seq}, bf16 (GB = 1e9 B; "
+        f"LoRA vs full fine-tuning, 2 CPU ranks ZeRO-3 + EP=2, {a.preset}, seq {a.seq}, fp32 (GB = 1e9 B; "
         "goal lora_mxfp4 <= 0.35x full)",
         rows,
-        ["mode", "rank", "trainable_params", "peak_heap_GB", "x_full_memory", "step_s", "est_GB", "est_ratio"],
+        [
+            *("mode", "rank", "trainable_params", "peak_heap_GB", "x_full_memory", "step_s"),
+            *("start_peak_GB", "step_tensors_GB", "est_GB", "est_ratio"),
+        ],
     )
     print(f"wrote {write_json('lora', {'rows': rows})}")
 
