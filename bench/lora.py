@@ -3,7 +3,7 @@
     DS_ACCELERATOR=cpu .venv/bin/python -m bench.lora                      # small, seq 128, 3 modes
     DS_ACCELERATOR=cpu .venv/bin/python -m bench.lora --preset tiny --seq 64 --steps 2
 
-One run measures three modes on the same layout (ZeRO-3 + EP=2, 2 ranks under the real `deepspeed` launcher,
+One run measures four modes on the same layout (ZeRO-3 + EP=2, 2 ranks under the real `deepspeed` launcher,
 batch 1) and the same base (the preset's random init written as an HF checkpoint): `full` (every parameter
 trains), `lora_bf16` (`finetune=lora`, the frozen base in the model dtype) and `lora_mxfp4`
 (`lora.base_experts=mxfp4`: frozen routed experts as MXFP4 codes, quantised on load). Precision is fp32, the
@@ -36,6 +36,13 @@ MODES = {
     "full": [],
     "lora_bf16": ["finetune=lora", "lora.base_experts=bf16"],
     "lora_mxfp4": ["finetune=lora", "lora.base_experts=mxfp4"],
+    # ZeRO-3's buffers resized for a run that reduces only adapters: a 5e6-element reduce bucket (not 5e7) and no
+    # parameter kept gathered beyond the unit in use (DeepSpeed's defaults keep every gathered weight)
+    "lora_mxfp4_lean": [
+        *("finetune=lora", "lora.base_experts=mxfp4", "deepspeed.reduce_bucket_size=5000000"),
+        "+deepspeed.extra.zero_optimization.stage3_max_reuse_distance=0",
+        "+deepspeed.extra.zero_optimization.stage3_prefetch_bucket_size=0",
+    ],
 }
 
 
@@ -118,7 +125,7 @@ def trainable_params(preset: str, mode: str) -> int:
 
     model = build_meta(K3Config.preset(preset))
     if mode != "full":
-        apply_lora(model, LoRASpec(base_experts=mode.split("_")[1]))
+        apply_lora(model, LoRASpec(base_experts=mode.split("_")[1]))  # the defaults, as conf/finetune/lora.yaml
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
