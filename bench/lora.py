@@ -1,6 +1,6 @@
 """LoRA vs full fine-tuning on 2 CPU ranks: per-rank peak memory, step time, trainable parameters.
 
-    DS_ACCELERATOR=cpu .venv/bin/python -m bench.lora                      # small, seq 128, 3 modes
+    DS_ACCELERATOR=cpu .venv/bin/python -m bench.lora                      # small, seq 128, 4 modes
     DS_ACCELERATOR=cpu .venv/bin/python -m bench.lora --preset tiny --seq 64 --steps 2
 
 One run measures four modes on the same layout (ZeRO-3 + EP=2, 2 ranks under the real `deepspeed` launcher,

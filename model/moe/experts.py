@@ -332,8 +332,9 @@ class LatentExperts(nn.Module):
     def recompute_merged(self) -> Iterator[None]:
         """With LoRA, the merged expert weights (as large as the local experts) are not kept for backward: the
         expert node saves a recipe and backward re-merges base + s * B @ A (bitwise the same: the same bmm on the
-        same values), like the activations it recomputes. Without LoRA the saved weights are the parameters
-        themselves (no copy), so nothing is done."""
+        same values), like the activations it recomputes; MXFP4 experts (model/moe/mxfp4_experts.py) re-dequantise
+        too, with or without LoRA. Without either the saved weights are the parameters themselves (no copy), so
+        nothing is done."""
         if not self._recomputes() or not torch.is_grad_enabled():
             yield
             return
