@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from model.config import K3Config, a_log_storage_len
 from model.k3 import K3ForCausalLM
 from model.meta import on_meta
-from model.mxfp4 import dequantize_mxfp4
+from model.mxfp4 import dequantize_mxfp4, pack_mxfp4
 from model.vision.multimodal import K3ForConditionalGeneration
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,7 @@ _EXPERT_RE = re.compile(
     r"(weight|weight_packed|weight_scale)$"
 )
 _STACKED_RE = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(w[123])$")
+_CODES_RE = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(w[123])_(packed|scale)$")  # mxfp4 base
 
 
 class CheckpointError(ValueError):
@@ -404,6 +405,7 @@ class HFReader:
                     if name is not None:
                         self.where[name] = (file, key)
         self._open: dict[str, Any] = {}
+        self._quantised: tuple[str, Any] = ("", None)
         self.bytes_read = 0
 
     def _handle(self, file: str):
@@ -433,14 +435,27 @@ class HFReader:
         packed, scale = self._rows(f"{key}.weight_packed"), self._rows(f"{key}.weight_scale")
         return dequantize_mxfp4(packed, scale, self.dtype or torch.float32)
 
+    def expert_codes(self, prefix: str, j: int, w: str, part: str) -> torch.Tensor:
+        """Expert j's `w` as MXFP4 `weight_packed` or `weight_scale` (part "packed" | "scale"): the release's codes
+        as stored, or a dense checkpoint's weight quantised here (round to nearest, model/mxfp4.py pack_mxfp4)."""
+        key = f"{prefix}.{j}.{w}"
+        if f"{key}.weight_{part}" in self.where:
+            return self._rows(f"{key}.weight_{part}")
+        if self._quantised[0] != key:  # packed and scale of one expert are read in turn: quantise it once
+            self._quantised = (key, pack_mxfp4(self._rows(f"{key}.weight").to(torch.float32)))
+        return self._quantised[1][0 if part == "packed" else 1]
+
     def read(
         self, name: str, shape: tuple[int, ...], lo: int = 0, hi: int | None = None, expert_offset: int = 0
     ) -> torch.Tensor:
         """Rows [lo, hi) (dim 0) of model tensor `name` whose full model shape is `shape`. For stacked experts
         (`...experts.w1` [E_local, ...]) row r is global expert `expert_offset + r`."""
         hi = shape[0] if hi is None else hi
-        m = _STACKED_RE.match(name)
-        if m:
+        m, c = _STACKED_RE.match(name), _CODES_RE.match(name)
+        if c:
+            parts = [self.expert_codes(c.group(1), expert_offset + r, c.group(2), c.group(3)) for r in range(lo, hi)]
+            t = torch.stack(parts) if parts else torch.empty((0, *shape[1:]), dtype=torch.uint8)
+        elif m:
             parts = [self.expert(m.group(1), expert_offset + r, m.group(2)) for r in range(lo, hi)]
             t = torch.stack(parts) if parts else torch.empty((0, *shape[1:]))
         else:  # (A_log is stored zero-padded to ceil(H/128)*128: rows < H are the model's)

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.moe.mxfp4_experts import MXFP4Experts, to_mxfp4_
+
 # Linear leaf names LoRA may target (KDA + MLA projections, dense FFN / shared experts), plus "experts" (routed).
 LINEAR_TARGETS = (
     "q_proj",
@@ -58,6 +60,7 @@ class LoRASpec:
         *("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"),
         *("gate_proj", "up_proj", "down_proj", EXPERTS_TARGET),
     )
+    base_experts: str = "bf16"  # bf16 | mxfp4: frozen routed experts as model-dtype Parameters or MXFP4 codes
 
     def check(self) -> None:
         bad = [t for t in self.targets if t not in LINEAR_TARGETS + (EXPERTS_TARGET,)]
@@ -67,6 +70,8 @@ class LoRASpec:
             raise ValueError(f"lora.rank must be >= 1 and lora.expert_rank >= 0, got {self.rank}/{self.expert_rank}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+        if self.base_experts not in ("bf16", "mxfp4"):
+            raise ValueError(f"lora.base_experts must be bf16 or mxfp4, got {self.base_experts}")
 
     def scale(self, rank: int) -> float:
         return float(self.alpha) / rank
@@ -211,6 +216,8 @@ def apply_lora(model: nn.Module, spec: LoRASpec) -> list[str]:
                 device=mod.w1.device,
             )
             adapted.append(name)
+        if leaf == EXPERTS_TARGET and hasattr(mod, "w1") and spec.base_experts == "mxfp4":
+            to_mxfp4_(mod)  # frozen experts as MXFP4 code buffers (model/moe/mxfp4_experts.py)
     for pname, p in model.named_parameters():
         p.requires_grad_(is_adapter_param(pname))
     model.lora_spec = spec  # type: ignore[assignment]  # the spec rides on the model (training/lora.py)
@@ -232,6 +239,8 @@ def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
 def merge_lora(model: nn.Module) -> nn.Module:
     """Fold every adapter into its base weight and drop it: the plain model computing the same function."""
     for mod in list(model.modules()):
+        if isinstance(mod, MXFP4Experts):
+            mod.to_dense_()  # the merged experts are dense (W + s B A is no longer on the MXFP4 grid)
         if isinstance(mod, LoRALinear):
             mod.weight.copy_(mod.merged_weight())
             del mod.lora_A, mod.lora_B

@@ -64,3 +64,37 @@ def pack_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = (idx + 8 * (scaled < 0).to(torch.int64) * (idx > 0).to(torch.int64)).reshape(rows, cols)
     packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
     return packed, (exp.to(torch.int64) + _E8M0_BIAS).to(torch.uint8)
+
+
+def dequantize_stacked(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Stacked experts: [E, out, in/2] codes + [E, out, in/32] exponents -> [E, out, in] of `dtype`."""
+    E, rows = packed.shape[0], packed.shape[1]
+    flat = dequantize_mxfp4(packed.reshape(E * rows, -1), scale.reshape(E * rows, -1), dtype)
+    return flat.view(E, rows, -1)
+
+
+def pack_stacked(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, out, in] -> ([E, out, in/2], [E, out, in/32]), one expert at a time (pack_mxfp4 works in fp64)."""
+    parts = [pack_mxfp4(w) for w in weight]
+    return torch.stack([p for p, _ in parts]), torch.stack([s for _, s in parts])
+
+
+def quantize_mxfp4_reference(weight: torch.Tensor) -> tuple[list[int], list[int]]:
+    """The slow, obviously-correct quantiser beside pack_mxfp4 (tests): for each group of 32 values in row-major
+    order, the E8M0 exponent e = ceil(log2(max|w| / 6)) (0 for an all-zero group), then each value's code is the
+    E2M1 value nearest to w / 2^e (the lower one on a tie), sign bit set for negative non-zero codes. Returns
+    (codes, biased exponents) as flat Python lists."""
+    import math
+
+    vals = weight.detach().to(torch.float64).reshape(-1).tolist()
+    codes, exps = [], []
+    for g in range(0, len(vals), GROUP):
+        group = vals[g : g + GROUP]
+        amax = max(abs(v) for v in group)
+        e = math.ceil(math.log2(amax / 6.0)) if amax > 0 else 0
+        exps.append(e + _E8M0_BIAS)
+        for v in group:
+            x = abs(v) / 2.0**e
+            best = min(range(8), key=lambda i: (abs(x - E2M1_VALUES[i]), i))
+            codes.append(best + 8 if v < 0 and best > 0 else best)
+    return codes, exps

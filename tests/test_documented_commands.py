@@ -38,6 +38,7 @@ EXEMPT = {
     "OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu .venv/bin/python -m bench.startup --reps 2 --launcher": "as above",
     "python -m bench.sharded_start": "a 1.7 GB checkpoint through 1- and 2-rank jobs (minutes, ~20 GB RAM); "
     "tests/distributed/test_zero3_ep.py checks the sharded start it measures",
+    "python -m bench.lora": "four 2-rank jobs on small (~10 min); tests/training/test_lora_plan.py runs its tiny job",
     "python -m bench.memory_dist": "2-rank ZeRO-3 jobs on tiny and small (minutes); bench/results/memory_dist.json",
     "python -m bench.memory --sp tiny:4096": "1- and 2-rank launcher jobs (~2.5 min even at tiny:64); "
     "tests/distributed/test_sequence_parallel.py runs the same SP build, engine and step; bench/results/memory_sp.json",

@@ -76,11 +76,6 @@ def check_lora(cfg: DictConfig) -> None:
         )
     if cfg.optim.name == "muon":
         raise TrainConfigError("finetune=lora trains small adapter matrices only; use optim=adamw with finetune=lora")
-    if cfg.lora.base_experts == "mxfp4":
-        raise TrainConfigError(
-            "lora.base_experts=mxfp4 (frozen experts kept as MXFP4 codes) is not built yet; use "
-            "lora.base_experts=bf16 (an MXFP4 release is dequantised into the model dtype on load)"
-        )
     spec = lora_spec(cfg)
     try:
         if spec is not None:

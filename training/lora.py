@@ -45,6 +45,7 @@ def lora_spec(cfg: DictConfig) -> LoRASpec | None:
         alpha=float(lo.alpha),
         dropout=float(lo.dropout),
         targets=tuple(str(t) for t in lo.targets),
+        base_experts=str(lo.base_experts),
     )
 
 
@@ -112,6 +113,7 @@ def spec_of(record: dict[str, Any]) -> LoRASpec:
         alpha=float(record["alpha"]),
         dropout=float(record["dropout"]),
         targets=tuple(record["targets"]),
+        base_experts=str(record.get("base_experts", "bf16")),
     )
 
 

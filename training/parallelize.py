@@ -257,6 +257,8 @@ def present_as_autoep(moe: nn.Module, num_experts: int, ep_size: int, ep_rank: i
     moe.folding_group_handles = None
     local = list(autoep_experts_for_rank(placement, ep_rank))
     for w in EXPERT_WEIGHTS:
+        if w not in moe.experts._parameters:  # lora.base_experts=mxfp4: buffers, not partitioned by ZeRO-3
+            continue
         p = getattr(moe.experts, w)
         shape = [num_experts, *getattr(p, "ds_shape", p.shape)[1:]]
         setattr(
@@ -308,8 +310,8 @@ def structural_twin(config: K3Config) -> K3Config:
         "vocab_size": 64,
         "hidden_size": 32,
         "intermediate_size": 32,
-        "moe_intermediate_size": 16,
-        "routed_expert_hidden_size": 16,
+        "moe_intermediate_size": 32,  # 32: an MXFP4 group (lora.base_experts=mxfp4)
+        "routed_expert_hidden_size": 32,
         "num_attention_heads": 2,
         "num_key_value_heads": 2,
         "kv_lora_rank": 16,
@@ -407,8 +409,12 @@ def shard_experts(moe: nn.Module, num_local: int, offset: int) -> None:
         )
     with torch.no_grad():
         for w in EXPERT_WEIGHTS:
-            p = getattr(experts, w)
-            p.data = p.data[offset : offset + num_local].clone()
+            if w in experts._parameters:
+                p = getattr(experts, w)
+                p.data = p.data[offset : offset + num_local].clone()
+            else:  # lora.base_experts=mxfp4: the codes are buffers (model/moe/mxfp4_experts.py)
+                for b in (f"{w}_packed", f"{w}_scale"):
+                    experts._buffers[b] = experts._buffers[b][offset : offset + num_local].clone()
     if experts.lora is not None:  # LoRA: the stacked expert factors go with their experts
         experts.lora.slice_(offset, num_local)
     experts.num_local, experts.expert_offset = num_local, offset

@@ -312,18 +312,30 @@ class LatentExperts(nn.Module):
             return self.w1, self.w3, self.w2
         lora: Any = self.lora  # model/lora.py ExpertLoRA (not imported here: model.lora builds on this module)
         merged = lora.merge(self.w1, self.w3, self.w2)
-        if self._merged is not None:  # inside recompute_merged(): remember them, by storage, for the pack hook
+        self._remember(merged)
+        return merged
+
+    def _remember(self, merged: tuple[torch.Tensor, ...]) -> None:
+        """Inside recompute_merged(): remember the made weights, by storage, for the pack hook."""
+        if self._merged is not None:
             for w, t in zip(("w1", "w3", "w2"), merged):
                 self._merged[(t.data_ptr(), tuple(t.shape))] = w
-        return merged
+
+    def _remake(self, w: str) -> torch.Tensor:
+        """Weight `w` as weights() makes it (backward's re-make; MXFP4Experts dequantises too)."""
+        return getattr(self, w) + self.lora.delta(w)  # type: ignore[union-attr, operator]
+
+    def _recomputes(self) -> bool:
+        return self.lora is not None
 
     @contextlib.contextmanager
     def recompute_merged(self) -> Iterator[None]:
         """With LoRA, the merged expert weights (as large as the local experts) are not kept for backward: the
         expert node saves a recipe and backward re-merges base + s * B @ A (bitwise the same: the same bmm on the
-        same values), like the activations it recomputes. Without LoRA the saved weights are the parameters
-        themselves (no copy), so nothing is done."""
-        if self.lora is None or not torch.is_grad_enabled():
+        same values), like the activations it recomputes; MXFP4 experts (model/moe/mxfp4_experts.py) re-dequantise
+        too, with or without LoRA. Without either the saved weights are the parameters themselves (no copy), so
+        nothing is done."""
+        if not self._recomputes() or not torch.is_grad_enabled():
             yield
             return
         self._merged = {}
@@ -335,7 +347,7 @@ class LatentExperts(nn.Module):
         def unpack(saved):
             if isinstance(saved, tuple):
                 with torch.no_grad():
-                    return getattr(self, saved[1]) + self.lora.delta(saved[1])
+                    return self._remake(saved[1])
             return saved
 
         try:

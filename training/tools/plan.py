@@ -22,6 +22,7 @@ from training.config import DeepSpeedSection
 from training.metrics.flops import flops_per_token
 from training.metrics.system import GPU_PEAK_BF16
 from training.tools.activation_memory import activation_bytes, loss_backward_bytes
+from training.tools.lora_memory import lora_terms
 from training.tools.plan_table import format_table
 
 GB = 1e9
@@ -70,6 +71,7 @@ class Layout:
     max_live_parameters: int | None = None
     max_reuse_distance: int | None = None
     prefetch_bucket_size: int | None = None
+    lora: Any = None  # finetune=lora: model.lora.LoRASpec (training/tools/lora_memory.py)
 
 
 def zero3_knobs_from_json(ds_config: dict[str, Any]) -> dict[str, int]:
@@ -236,6 +238,8 @@ def plan(
     cpu_per_gpu += acts.get("host_layer_inputs", 0.0)
     gpu["loss_backward"] = loss_backward_bytes(config, mb, T, act_b, sp, layout.loss_tile_tokens)
     gpu["reserve"] = hw.reserve_gb * GB
+    if layout.lora is not None:  # frozen base + adapter state (training/tools/lora_memory.py)
+        gpu.update(lora_terms(config, bd, layout, W, per, zero3_gathered_params))
     gpu_total = peak_bytes(gpu, grads_persist=grads_persist(layout))
 
     # compute
@@ -348,6 +352,7 @@ def from_overrides(argv: Sequence[str]) -> tuple[Any, Layout, Hardware, dict[str
     parallelism) is still planned, with the refusal as a warning, so hypothetical layouts can be compared."""
     from training.config import TrainConfigError, build_model_config, compose, validate
     from training.engine import build_ds_config
+    from training.lora import lora_spec
 
     hydra, planner = split_overrides(argv)
     cfg = compose(hydra)
@@ -380,6 +385,7 @@ def from_overrides(argv: Sequence[str]) -> tuple[Any, Layout, Hardware, dict[str
         reduce_bucket_size=int(cfg.deepspeed.reduce_bucket_size),
         overlap_comm=bool(cfg.deepspeed.overlap_comm),
         **zero3_knobs_from_json(build_ds_config(cfg, hw.world)),
+        lora=lora_spec(cfg),
     )
     warnings = []
     try:
