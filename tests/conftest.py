@@ -80,6 +80,7 @@ FIRST = (
     "base_run",  # 38 + 17 + 14 + 11 + 8
     "training/test_entry_points.py",  # 37 + 7 + 6
     "fault/test_sweep.py",  # 47
+    "training/test_lora_plan.py",  # 29
     "training/test_lora.py",  # 20 + 11 + 6 + 5
     "training/test_sft.py",  # 21 + 11 + 8
     "distributed/test_launch.py",  # 37
