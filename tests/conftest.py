@@ -71,7 +71,7 @@ SHARED = {
 # workers busy, 2026-12-04), so the two workers end together: a unit not listed starts after these, in collection
 # order (all of them are short).
 FIRST = (
-    "test_documented_commands.py",  # 361
+    "test_documented_commands.py",  # 240
     "ep2_ref",  # 173 + 67
     "ref_run",  # 70 + 60 + 47
     "distributed/test_sequence_parallel.py",  # 160 + 19
