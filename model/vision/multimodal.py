@@ -60,6 +60,20 @@ class K3ForConditionalGeneration(nn.Module):
         """Packed patches [N, 3, p, p] + grid_thws [n, 3] -> LM-width features [M, d], images in order."""
         return self.mm_projector(self.vision_tower(pixel_values, grid_thws))
 
+    def idle_tower(self, like: torch.Tensor) -> torch.Tensor:
+        """The tower and projector on one blank image of one merged token, summed: what a training micro-batch
+        without images runs, its result multiplied by 0 (nothing is scattered, gradients are exact zeros).
+
+        Why: under ZeRO-3 every rank gathers each tower parameter (a collective) when its module runs, and reduces
+        its gradient in backward, so all ranks must run the same modules in the same order; a rank whose micro-batch
+        has no image would otherwise skip the tower while the others wait in its all-gather. Under ZeRO-1/2 the
+        gradient reduction likewise expects every rank to produce every parameter's gradient. Modules run once per
+        forward whatever the image count (per-image work is inside them), so one blank image is the same sequence."""
+        c = self.vision_tower.cfg
+        kh, kw = c.merge_kernel_size
+        pixels = like.new_zeros(kh * kw, 3, c.patch_size, c.patch_size)
+        return self.image_features(pixels, torch.tensor([[1, kh, kw]], device=like.device)).sum()
+
     def embed(
         self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None, grid_thws: torch.Tensor | None
     ) -> torch.Tensor:
@@ -73,7 +87,7 @@ class K3ForConditionalGeneration(nn.Module):
                     f"input_ids hold {n_slots} <|media_pad|> tokens (id {self.media_id}) "
                     "but no pixel_values were given; pass the images (pixel_values, grid_thws)"
                 )
-            return embeds
+            return embeds + 0.0 * self.idle_tower(embeds) if self.training else embeds
         if grid_thws is None:
             raise ValueError("pixel_values need grid_thws [n_images, 3] (t, h, w patches per image)")
         feats = self.image_features(pixel_values, grid_thws)
