@@ -29,7 +29,16 @@ VLM = [
     "data.sources=[{type: synthetic, path: captions, format: chat, size: 256},"
     " {type: jsonl, path: data/examples/chat_tiny.jsonl, format: chat}]",
 ]
-ZERO3 = [*VLM, "parallel=ep2", "deepspeed=zero3", "train.grad_accum=1", "checkpoint.every=2"]
+# persistence threshold 0: every tower parameter is gathered collectively at each use (the tiny tower's tensors are
+# all under DeepSpeed's 1e5 default, which would keep them gathered and hide a rank that skips the tower)
+ZERO3 = [
+    *VLM,
+    "parallel=ep2",
+    "deepspeed=zero3",
+    "+deepspeed.extra.zero_optimization.stage3_param_persistence_threshold=0",
+    "train.grad_accum=1",
+    "checkpoint.every=2",
+]
 JOBS = {
     "zero2": ([*VLM, "parallel=ep2", "deepspeed=zero2", "train.grad_accum=1"], 2, None),
     "zero3": (ZERO3, 2, None),
