@@ -75,6 +75,7 @@ FIRST = (
     "ep2_ref",  # 173 + 67
     "ref_run",  # 70 + 60 + 47
     "distributed/test_sequence_parallel.py",  # 160 + 19
+    "distributed/test_vision_train.py",  # 119 (6 launches, 5 at once; 2026-12-04, under the heavy-job lock)
     "distributed/test_zero3_ep.py",  # 92 + 5
     "distributed/test_muon_zero.py",  # 80
     "base_run",  # 38 + 17 + 14 + 11 + 8
@@ -90,7 +91,6 @@ FIRST = (
     "training/test_run_files.py",  # 10 + 9
     "fault/test_soak.py",  # 19
     "fault/test_processes.py",  # 18
-    "distributed/test_vision_train.py",  # 15
     "model/test_typecheck.py",  # 13
     "training/test_freeze.py",  # 9
 )

@@ -412,17 +412,6 @@ def validate(cfg: DictConfig, world_size: int) -> K3Config:
         not vision or mcfg.vision_config is not None,
         f"train.freeze={vision}: the model has no vision tower; set model.vision_config (or drop those groups)",
     )
-    if mcfg.vision_config is not None:  # the trainer builds K3ForConditionalGeneration (training/parallel/construct)
-        need(
-            ds.zero_stage != 3,
-            "a model with a vision tower trains under deepspeed=zero0|zero1|zero2 so far (the tower is not "
-            "partitioned by the sharded start); use deepspeed=zero2 or model.vision_config=false",
-        )
-        need(
-            par.sp_size == 1,
-            "images with parallel.sp_size > 1 are not supported yet; use parallel.sp_size=1 or "
-            "model.vision_config=false",
-        )
     need(cfg.checkpoint.keep_last >= 1, f"checkpoint.keep_last must be >= 1, got {cfg.checkpoint.keep_last}")
     r = cfg.checkpoint.resume
     if r not in ("auto", "none"):

@@ -322,6 +322,8 @@ def structural_twin(config: K3Config) -> K3Config:
         "bos_token_id": None,
         "eos_token_id": None,
         "pad_token_id": None,
+        "vision_config": None,  # the twin is the text model (K3ForCausalLM): the tower is not part of it
+        "media_placeholder_token_id": None,
     }
     if config.q_lora_rank is not None:
         widths["q_lora_rank"] = 16

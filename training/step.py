@@ -29,12 +29,17 @@ class MicroBatch:
     targets_1N: torch.Tensor | None = None  # shifted already (sequence parallelism); else the model shifts labels
     pixel_values: torch.Tensor | None = None  # [N, 3, p, p] patches of the rows' images, row-major (multimodal)
     grid_thws: torch.Tensor | None = None  # [n_images, 3]
+    # sequence parallelism with images: <|media_pad|> tokens of the whole stream before this rank's slice; the
+    # images are the whole group's rows' (every rank of the group runs the tower on all of them)
+    media_offset: int | None = None
 
     def model_inputs(self, device: torch.device) -> dict[str, torch.Tensor]:
         """Keyword arguments of K3ForCausalLM.forward (and K3ForConditionalGeneration's, with images)."""
         out = {"input_ids": self.ids_1N.to(device), "cu_seqlens": self.cu_seqlens.to(device)}
         if self.pixel_values is not None and self.grid_thws is not None:
             out["pixel_values"], out["grid_thws"] = self.pixel_values.to(device), self.grid_thws.to(device)
+            if self.media_offset is not None:
+                out["media_offset"] = self.media_offset
         if self.targets_1N is not None:
             out["targets"] = self.targets_1N.to(device)
         else:
@@ -43,12 +48,14 @@ class MicroBatch:
         return out
 
 
-def pack_microbatch(mb: dict[str, Any], sp_size: int = 1, sp_rank: int = 0) -> MicroBatch:
+def pack_microbatch(mb: dict[str, Any], sp_size: int = 1, sp_rank: int = 0, media_id: int | None = None) -> MicroBatch:
     """[b, T] rows -> one packed [1, b*T] stream with cu_seqlens. The model masks cross-document targets itself
     (`shift_targets`); the same function counts them here, before the forward, for the loss weights.
 
     `sp_size` > 1: the rows are the sequence-parallel group's, and this rank keeps tokens [r*N/S, (r+1)*N/S) with
-    their targets, shifted on the whole stream (the last token of a slice predicts the next slice's first)."""
+    their targets, shifted on the whole stream (the last token of a slice predicts the next slice's first), and
+    all the rows' images with the count of `media_id` tokens before its slice (`media_offset`): image features are
+    computed before the split, on every rank of the group, and each rank scatters the ones its slice holds."""
     ids_1N = mb["input_ids"].reshape(1, -1).long()
     labels_1N = mb["labels"].reshape(1, -1).long()
     cu = torch.as_tensor(mb["cu_seqlens"], dtype=torch.int64)
@@ -59,7 +66,9 @@ def pack_microbatch(mb: dict[str, Any], sp_size: int = 1, sp_rank: int = 0) -> M
     n = ids_1N.shape[1] // sp_size
     mine = slice(sp_rank * n, (sp_rank + 1) * n)
     local_1n = targets_1N[:, mine]
-    return MicroBatch(ids_1N[:, mine], None, cu, int((local_1n != IGNORE_INDEX).sum()), local_1n)
+    pixels, grids = mb.get("pixel_values"), mb.get("grid_thws")
+    offset = int(ids_1N[:, : mine.start].eq(media_id).sum()) if pixels is not None and media_id is not None else None
+    return MicroBatch(ids_1N[:, mine], None, cu, int((local_1n != IGNORE_INDEX).sum()), local_1n, pixels, grids, offset)
 
 
 @dataclass

@@ -273,7 +273,7 @@ class Trainer:
 
     # --- one optimizer step -------------------------------------------------------------------------------------
     def train_step(self) -> StepResult:
-        sp = (self.ep.sp_size, self.ep.sp_rank)
+        sp = (self.ep.sp_size, self.ep.sp_rank, self.mcfg.media_placeholder_token_id)
         mbs = [pack_microbatch(self.loader.next_microbatch(), *sp) for _ in range(self.ga)]
         local = torch.tensor(
             [sum(m.n_targets for m in mbs), sum(int(m.ids_1N.numel()) for m in mbs)], dtype=torch.float64

@@ -60,10 +60,32 @@ class K3ForConditionalGeneration(nn.Module):
         """Packed patches [N, 3, p, p] + grid_thws [n, 3] -> LM-width features [M, d], images in order."""
         return self.mm_projector(self.vision_tower(pixel_values, grid_thws))
 
+    def idle_tower(self, like: torch.Tensor) -> torch.Tensor:
+        """The tower and projector on one blank image of one merged token, summed: what a training micro-batch
+        without images runs, its result multiplied by 0 (nothing is scattered, gradients are exact zeros).
+
+        Why: under ZeRO-3 every rank gathers each tower parameter (a collective) when its module runs, and reduces
+        its gradient in backward, so all ranks must run the same modules in the same order; a rank whose micro-batch
+        has no image would otherwise skip the tower while the others wait in its all-gather. Under ZeRO-1/2 the
+        gradient reduction likewise expects every rank to produce every parameter's gradient. Modules run once per
+        forward whatever the image count (per-image work is inside them), so one blank image is the same sequence."""
+        c = self.vision_tower.cfg
+        kh, kw = c.merge_kernel_size
+        pixels = like.new_zeros(kh * kw, 3, c.patch_size, c.patch_size)
+        return self.image_features(pixels, torch.tensor([[1, kh, kw]], device=like.device)).sum()
+
     def embed(
-        self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None, grid_thws: torch.Tensor | None
+        self,
+        input_ids: torch.Tensor,
+        pixel_values: torch.Tensor | None,
+        grid_thws: torch.Tensor | None,
+        media_offset: int | None = None,
     ) -> torch.Tensor:
-        """Token embeddings [B, T, d] with the image features at the `<|media_pad|>` positions, row-major."""
+        """Token embeddings [B, T, d] with the image features at the `<|media_pad|>` positions, row-major.
+
+        `media_offset` (sequence parallelism): `input_ids` is one rank's slice of a longer stream whose images are
+        all given; the slice's slots take features [media_offset, media_offset + slots) (an image cut by the
+        shard edge puts its first features on one rank, the rest on the next)."""
         embeds = self.language_model.model.embed_tokens(input_ids)
         slots = input_ids.eq(self.media_id)
         n_slots = int(slots.sum())
@@ -73,10 +95,20 @@ class K3ForConditionalGeneration(nn.Module):
                     f"input_ids hold {n_slots} <|media_pad|> tokens (id {self.media_id}) "
                     "but no pixel_values were given; pass the images (pixel_values, grid_thws)"
                 )
-            return embeds
+            return embeds + 0.0 * self.idle_tower(embeds) if self.training else embeds
         if grid_thws is None:
             raise ValueError("pixel_values need grid_thws [n_images, 3] (t, h, w patches per image)")
         feats = self.image_features(pixel_values, grid_thws)
+        if media_offset is not None:
+            if not 0 <= media_offset <= media_offset + n_slots <= feats.shape[0]:
+                raise ValueError(
+                    f"media_offset={media_offset} + {n_slots} <|media_pad|> tokens in this slice exceed the "
+                    f"{feats.shape[0]} features of the images; the offset counts the slots before the slice"
+                )
+            mine = feats[media_offset : media_offset + n_slots]
+            out = embeds.masked_scatter(slots[..., None], mine.to(embeds.dtype))
+            # a slice without slots still backpropagates (zeros) through the tower: see idle_tower
+            return out + 0.0 * feats.sum() if n_slots == 0 and self.training else out
         if feats.shape[0] != n_slots:
             raise ValueError(
                 f"{n_slots} <|media_pad|> tokens in input_ids but the images give {feats.shape[0]} features "
@@ -93,15 +125,17 @@ class K3ForConditionalGeneration(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         cache=None,
         targets: torch.Tensor | None = None,
+        media_offset: int | None = None,
     ) -> K3Output:
         """The LM forward on `input_ids` with images; decode steps after an image prefill pass no images (the
-        cache holds them), and a sampled `<|media_pad|>` there is an ordinary token."""
-        if pixel_values is not None and self.language_model.sequence_shard is not None:
-            raise ValueError("images with sequence parallelism are not supported yet; use parallel.sp_size=1")
+        cache holds them), and a sampled `<|media_pad|>` there is an ordinary token. Sequence parallelism:
+        `input_ids` is this rank's slice, the images the whole stream's, `media_offset` as in `embed`."""
+        if pixel_values is not None and self.language_model.sequence_shard is not None and media_offset is None:
+            raise ValueError("images with sequence parallelism need media_offset (the slots before this slice)")
         decoding = cache is not None and cache.seen_tokens > 0 and pixel_values is None
         embeds = self.language_model.model.embed_tokens(input_ids) if decoding else None
         if embeds is None:
-            embeds = self.embed(input_ids, pixel_values, grid_thws)
+            embeds = self.embed(input_ids, pixel_values, grid_thws, media_offset)
         if labels is not None:  # an image position is never a target, whatever the labels say
             labels = labels.masked_fill(input_ids == self.media_id, -100)
         return self.language_model(

@@ -113,6 +113,11 @@ class PosEmb(nn.Module):
         t = F.interpolate(self.weight.permute(2, 0, 1)[None], size=(h, w), mode="bilinear", align_corners=False)
         return t[0].permute(1, 2, 0).flatten(0, 1)
 
+    def forward(self, sizes: list[tuple[int, int]]) -> torch.Tensor:
+        """[sum h*w, d]: each image's grid, images in order. A module call (not `grid` from the parent), so that
+        ZeRO-3's hooks gather the table where it is read."""
+        return torch.cat([self.grid(h, w) for h, w in sizes])
+
 
 class PatchEmbed(nn.Module):
     def __init__(self, cfg: VisionConfig) -> None:
@@ -122,7 +127,7 @@ class PatchEmbed(nn.Module):
 
     def forward(self, pixels_N3PP: torch.Tensor, sizes: list[tuple[int, int]]) -> torch.Tensor:
         x_ND = self.proj(pixels_N3PP).flatten(1)  # one output pixel per patch
-        return x_ND + torch.cat([self.pos_emb.grid(h, w) for h, w in sizes]).to(x_ND.dtype)
+        return x_ND + self.pos_emb(sizes).to(x_ND.dtype)
 
 
 class Encoder(nn.Module):

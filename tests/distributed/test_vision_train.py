@@ -1,5 +1,11 @@
-"""Image–text training under DeepSpeed (issue 23 §4): 2 ranks, EP=2 + ZeRO-2, on synthetic image–caption batches
-reproduce 1 process (same global batch as GA=2) within 1e-5, losses and grad norms; JSONL counts the images."""
+"""Image–text training under DeepSpeed (issue 23 §4) on batches mixing synthetic image–caption and text-only
+conversations, one 144-token row per micro-batch (1 process, GA=2: micro-batches 1, 2, 4 and 7 hold no image, 5's
+image crosses the sequence-parallel shard edge at token 72, 6 has one image per half). Against that 1-process job,
+within 1e-5 (losses and grad norms):
+  zero2   2 ranks, EP=2 + ZeRO-2 (at step 2 rank 0's row has no image, rank 1's has: the idle tower)
+  zero3   2 ranks, EP=2 + ZeRO-3: the tower partitioned like the text model (training/parallel/construct.py)
+  sp2     2 ranks, parallel=sp2 (the tower on all the rows' images on both ranks, each rank scatters its slice's)
+and `kill -9` of the zero3 job after step 3 + `checkpoint.resume=auto` reproduces its losses bitwise."""
 
 from __future__ import annotations
 
@@ -10,31 +16,57 @@ import pytest
 from tests.distributed.conftest import must_succeed, run_training
 
 pytestmark = pytest.mark.distributed
-STEPS = 3
+STEPS, KILL_AT = 4, 3
 VLM = [
     "experiment=vlm_smoke",
     "callbacks=[]",
     "logging.mode=disabled",
     "logging.every=1",
     f"train.steps={STEPS}",
-    "train.micro_batch_size=2",
+    "train.micro_batch_size=1",
     "checkpoint.save_final=false",
-    "data.sources.0.size=256",
     "data.shuffle_buffer=32",
+    "data.sources=[{type: synthetic, path: captions, format: chat, size: 256},"
+    " {type: jsonl, path: data/examples/chat_tiny.jsonl, format: chat}]",
 ]
+# persistence threshold 0: every tower parameter is gathered collectively at each use (the tiny tower's tensors are
+# all under DeepSpeed's 1e5 default, which would keep them gathered and hide a rank that skips the tower)
+ZERO3 = [
+    *VLM,
+    "parallel=ep2",
+    "deepspeed=zero3",
+    "+deepspeed.extra.zero_optimization.stage3_param_persistence_threshold=0",
+    "train.grad_accum=1",
+    "checkpoint.every=2",
+]
+JOBS = {
+    "zero2": ([*VLM, "parallel=ep2", "deepspeed=zero2", "train.grad_accum=1"], 2, None),
+    "zero3": (ZERO3, 2, None),
+    "sp2": ([*VLM, "parallel=sp2", "train.grad_accum=2"], 2, None),
+    "one": ([*VLM, "train.grad_accum=2"], 1, None),
+    "killed": (ZERO3, 2, {"K3_FAULT_KILL_AT_STEP": str(KILL_AT)}),
+}
 
 
 @pytest.fixture(scope="module")
 def vlm_runs(runs_root):
-    """(2 ranks EP=2 + ZeRO-2, 1 process GA=2): the same 4-row global batches."""
-    with ThreadPoolExecutor(2) as pool:
-        two = pool.submit(run_training, runs_root / "vlm_ep2", [*VLM, "parallel=ep2", "train.grad_accum=1"])
-        one = pool.submit(run_training, runs_root / "vlm_one", [*VLM, "train.grad_accum=2"], nproc=1, launcher=False)
-        return must_succeed(two.result()), must_succeed(one.result())
+    """{job: run}: the JOBS in one wave, then the killed job resumed (`resumed`)."""
+    with ThreadPoolExecutor(len(JOBS)) as pool:
+        futs = {
+            k: pool.submit(run_training, runs_root / f"vlm_{k}", o, nproc=n, env=env, launcher=n > 1)
+            for k, (o, n, env) in JOBS.items()
+        }
+        out = {k: f.result() for k, f in futs.items()}
+    for k, r in out.items():
+        if k != "killed":
+            must_succeed(r)
+    out["resumed"] = must_succeed(run_training(runs_root / "vlm_killed", [*ZERO3, "checkpoint.resume=auto"]))
+    return out
 
 
-def test_two_ranks_ep2_zero2_reproduce_one_process(vlm_runs):
-    two, one = vlm_runs
+@pytest.mark.parametrize("layout", ["zero2", "zero3", "sp2"])
+def test_two_ranks_reproduce_one_process(vlm_runs, layout):
+    two, one = vlm_runs[layout], vlm_runs["one"]
     got, ref = two.losses(), one.losses()
     assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
     norms = {int(r["step"]): r["grad_norm"] for r in one.metrics if "grad_norm" in r}
@@ -44,7 +76,13 @@ def test_two_ranks_ep2_zero2_reproduce_one_process(vlm_runs):
             assert r["grad_norm"] == pytest.approx(norms[r["step"]], rel=1e-5), r["step"]
 
 
+def test_kill_and_resume_auto_are_bitwise(vlm_runs):
+    killed, resumed = vlm_runs["killed"], vlm_runs["resumed"]
+    assert killed.returncode != 0 and max(killed.losses()) == KILL_AT  # it died right after step 3
+    assert resumed.losses() == vlm_runs["zero3"].losses()  # every step, exact float equality
+
+
 def test_metrics_count_images_and_their_token_fraction(vlm_runs):
-    rec = [r for r in vlm_runs[0].metrics if "loss" in r][-1]
-    assert rec["data/images"] >= 4 * STEPS  # every conversation holds one image
+    rec = [r for r in vlm_runs["zero2"].metrics if "loss" in r][-1]
+    assert rec["data/images"] >= STEPS  # (1, 1, 1 and 2 images in the 4 steps' global batches)
     assert 0 < rec["data/image_token_fraction"] < 1

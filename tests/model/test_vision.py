@@ -263,3 +263,30 @@ def test_the_trainers_switches_reach_the_text_model_inside():
     assert all(layer.gradient_checkpointing and layer.checkpoint_offload for layer in lm.decoder_layers())
     assert lm.lm_head.tile_rows == 16
     assert {m.tile_rows for m in lm.modules() if hasattr(m, "tile_rows") and m is not lm.lm_head} == {8}
+
+
+def test_sequence_slices_scatter_their_share_of_the_features():
+    """Sequence parallelism: each token slice, given all the images and the slots before it, embeds exactly what
+    the whole stream's embedding holds there, with the cut inside an image."""
+    m = _mm()
+    px, grid = images([(2, 4), (4, 2)])
+    ids = _prompt([2, 2])
+    cut = int((ids[0] == MEDIA).nonzero()[1])  # after the first image's first slot
+    parts = [
+        m.embed(ids[:, a:b], px, grid, media_offset=int((ids[0, :a] == MEDIA).sum()))
+        for a, b in ((0, cut), (cut, ids.shape[1]))
+    ]
+    torch.testing.assert_close(torch.cat(parts, dim=1), m.embed(ids, px, grid), rtol=0, atol=0)
+
+
+def test_an_image_less_training_batch_runs_the_tower_for_zero_gradients():
+    """The idle tower (ZeRO-3: every rank gathers the same parameters): same loss, exact-zero tower gradients."""
+    m = K3ForConditionalGeneration(micro_mm_config())
+    ids = torch.randint(0, MEDIA, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = m.eval()(ids, labels=ids).loss
+    loss = m.train()(ids, labels=ids).loss
+    loss.backward()
+    torch.testing.assert_close(loss, want, rtol=0, atol=0)
+    grads = [p.grad for p in [*m.vision_tower.parameters(), *m.mm_projector.parameters()]]
+    assert all(g is not None and not g.any() for g in grads)

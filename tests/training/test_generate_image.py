@@ -12,6 +12,7 @@ from PIL import Image
 
 from data import DataConfig, SourceConfig
 from data.bpe import build_tiktoken_dir
+from data.chat import K3Renderer, encode_conversations, normalize_messages
 from data.images import ImageRules, prepare_image
 from model import K3ForCausalLM, K3ForConditionalGeneration, save_hf_checkpoint
 from model.generate import generate
@@ -66,6 +67,30 @@ def test_the_stream_is_the_library_generate_with_the_image_before_the_prompt(exp
     assert out == "the cat" + tok.decode(want) + "\n"
     no_image = generate(model, torch.tensor([tok.encode("the cat")]), 6, eos_token_id=tok.eos_id)[0, 2:].tolist()
     assert want != no_image  # the picture changes what is generated
+
+
+def test_chat_renders_one_user_turn_with_the_image_and_stops_at_the_responses_close(export, capsys):
+    """chat=true: the ids are data/chat.py's rendering of a user turn (image, then prompt) + the assistant's
+    opening, as training renders chat rows; the stream is the library's generate on them, ending at <|close|>."""
+    d, model, tok = export
+    rc, out, err = _run(
+        capsys, f"checkpoint={d / 'hf'}", f"image={d / 'pic.png'}", "prompt=the cat", "chat=true", "max_new_tokens=6"
+    )
+    assert rc == 0, err
+    rules = ImageRules(patch_size=2, merge=2)
+    parts = [{"type": "image", "image": str(d / "pic.png")}, {"type": "text", "text": "the cat"}]
+    msgs = normalize_messages([{"role": "user", "content": parts}], rules)
+    ((ids, _),) = encode_conversations(tok, [K3Renderer().render(msgs, add_generation_prompt=True)])
+    im = prepare_image(d / "pic.png", rules)
+    want = generate(
+        model.eval(),
+        torch.tensor([ids.tolist()]),
+        6,
+        eos_token_id=tok.token_to_id("<|close|>"),
+        pixel_values=torch.from_numpy(im.pixel_values),
+        grid_thws=torch.tensor([im.grid]),
+    )[0, len(ids) :].tolist()
+    assert out == "the cat" + tok.decode(want) + "\n"
 
 
 def test_image_on_a_text_checkpoint_or_a_missing_file_is_one_line(export, tmp_path, capsys):

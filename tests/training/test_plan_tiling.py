@@ -13,7 +13,7 @@ from training.tools.plan import from_overrides, plan
 
 K3_2_20 = [
     "model=k3",
-    "model.vision_config=false",  # the text model: the sharded start does not build the tower under ZeRO-3
+    "model.vision_config=false",  # the text model (its tower: tests/training/test_plan_vision.py)
     "deepspeed=zero3",
     "deepspeed.offload_optimizer=true",
     "parallel.ep_size=128",

@@ -20,7 +20,14 @@ import os
 from omegaconf import DictConfig
 
 from model.config import K3Config
-from training.checkpoint.identity import ResumePlan, RunMismatch, check_allow_changes, plan_resume, run_identity
+from training.checkpoint.identity import (
+    IDENTITY_KEY,
+    ResumePlan,
+    RunMismatch,
+    check_allow_changes,
+    plan_resume,
+    run_identity,
+)
 from training.checkpoint.safe_load import CheckpointError, verify_checkpoint
 from training.checkpoint.store import LATEST, TRAINER_STATE, complete_tags, is_complete, write_latest
 
@@ -173,7 +180,18 @@ def preflight(cfg: DictConfig, mcfg: K3Config, world_size: int, run_dir: str) ->
         return
     tag_dir, state = _candidate(cfg, ckpt_root)
     if state is not None:
-        plan_resume(run_identity(cfg, mcfg, world_size), state, tag_dir, allow, run_dir)
+        plan_resume(run_identity(cfg, tokenizer_media_id(cfg, mcfg, state), world_size), state, tag_dir, allow, run_dir)
+
+
+def tokenizer_media_id(cfg: DictConfig, mcfg: K3Config, state: dict) -> K3Config:
+    """`mcfg` with the checkpoint's `<|media_pad|>` id where the trainer takes it from the tokenizer (a fresh
+    vision model without `model.media_placeholder_token_id`: Trainer._media_id), which preflight has not loaded
+    yet. The tokenizer itself is compared (data.*), and the trainer's own check (`plan_for`) compares the id it
+    then takes."""
+    stored = (state.get(IDENTITY_KEY) or {}).get("model.media_placeholder_token_id")
+    if mcfg.vision_config is None or cfg.model.media_placeholder_token_id is not None or cfg.model.init_from:
+        return mcfg
+    return mcfg if stored is None else mcfg.replace(media_placeholder_token_id=int(stored))
 
 
 def settle(cfg: DictConfig, run_dir: str) -> None:

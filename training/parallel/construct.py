@@ -184,16 +184,32 @@ def build_model(
             par.init_bytes_read = reader.bytes_read
             reader.close()
     if config.vision_config is not None:
-        model = attach_vision(model, config, seed, init_from)
+        model = attach_vision(model, config, seed, init_from, ds_config if zero_stage == 3 else None)
         par.moe_names = [f"language_model.{n}" for n in par.moe_names]  # names in the wrapped model's state dict
     return model, par
 
 
-def attach_vision(lm: K3ForCausalLM, config: K3Config, seed: int, init_from: str | None) -> nn.Module:
-    """The laid-out text model inside K3ForConditionalGeneration. The tower and projector are dense and replicated
-    (ZeRO-0/1/2 and EP alike: DeepSpeed treats them as ordinary data-parallel parameters), built whole on every
-    rank: each vision module reset under the (seed, module name) seed, so every layout starts from the same
-    weights, or the checkpoint's `vision_tower.*` / `mm_projector.*` tensors (the release's names, model/hf.py)."""
+def attach_vision(
+    lm: K3ForCausalLM, config: K3Config, seed: int, init_from: str | None, zero3_config: dict[str, Any] | None = None
+) -> nn.Module:
+    """The laid-out text model inside K3ForConditionalGeneration. The tower and projector are dense (ordinary
+    data-parallel parameters for DeepSpeed, EP alike), built as one unit on every rank: each vision module reset
+    under the (seed, module name) seed, so every layout starts from the same weights, or the checkpoint's
+    `vision_tower.*` / `mm_projector.*` tensors (the release's names, model/hf.py). Under ZeRO-3 (`zero3_config`)
+    each vision parameter is then partitioned over the data-parallel group like the text model's dense ones
+    (`_partition`: every rank holds the same values, so nothing is broadcast); a rank keeps 1/W of the tower."""
+    model = _vision_values(lm, config, seed, init_from)
+    if zero3_config is not None:
+        import deepspeed
+
+        init = deepspeed.zero.Init(config_dict_or_path=zero3_config)
+        for part in (model.vision_tower, model.mm_projector):
+            for p in part.parameters():
+                _partition(init, p)
+    return model
+
+
+def _vision_values(lm: K3ForCausalLM, config: K3Config, seed: int, init_from: str | None) -> nn.Module:
     from safetensors import safe_open
 
     from model.hf import VISION_PREFIXES, _tensor_files, _vision_state

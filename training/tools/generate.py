@@ -8,7 +8,9 @@ max_new_tokens (64), temperature (0 = greedy), top_k, top_p, seed (0), dtype (fl
 device (cpu), bos (null: prepend BOS exactly when the run trained with data.add_bos, read from the run's
 config.yaml; true/false to force), bench (false), contexts ("100,4000"), bench_tokens (32), image (a picture file:
 a multimodal checkpoint sees it before the prompt, as `<|media_begin|>image WxH<|media_content|>` + its
-`<|media_pad|>` tokens + `<|media_end|>`, resized by data/images.py's rule).
+`<|media_pad|>` tokens + `<|media_end|>`, resized by data/images.py's rule), chat (false; true: the prompt, and the
+image before it, as one user turn of K3's conversation format followed by the assistant's opening, as chat data
+trains it, e.g. experiment=vlm_smoke; generation stops at the response's `<|close|>`).
 
 Tokens stream to stdout as they are sampled; tokens/s of the decode phase goes to stderr. `bench=true` shows why
 K3 decodes at a context-independent cost: KDA carries a fixed-size state and MLA attends over a 576-value latent
@@ -50,6 +52,7 @@ DEFAULTS: dict[str, Any] = {
     "contexts": "100,4000",
     "bench_tokens": 32,
     "image": None,
+    "chat": False,
 }
 _KINDS = {
     "checkpoint": str,
@@ -59,6 +62,7 @@ _KINDS = {
     "top_p": float,
     "bos": bool,
     "image": str,
+    "chat": bool,
 }
 GenerateError = ToolError
 
@@ -138,6 +142,30 @@ def image_prompt(model, tok: Tokenizer | None, path: str) -> tuple[list[int], di
         "grid_thws": torch.tensor([im.grid]),
     }
     return ids, images
+
+
+def chat_prompt(model, tok: Tokenizer | None, prompt: str, image: str | None) -> tuple[list[int], dict, int]:
+    """chat=true: (ids of one user turn holding the image, then the prompt, + the assistant's opening; the images;
+    the `<|close|>` id that ends the response), rendered by data/chat.py exactly as training renders chat rows."""
+    from data.chat import ChatRowError, K3Renderer, encode_conversations, normalize_messages
+    from data.k3_format import CLOSE, MARKERS
+
+    if tok is None or any(tok.token_to_id(m) is None for m in MARKERS):
+        raise GenerateError("chat=true needs the checkpoint's tokenizer with K3's conversation markers (tiktoken)")
+    content: list[dict] = [{"type": "text", "text": prompt}]
+    images: dict[str, torch.Tensor] = {}
+    rules = None
+    if image is not None:
+        _, images = image_prompt(model, tok, image)  # its checks, and the pixels the renderer's block stands for
+        v = model.config.vision_config
+        rules = ImageRules(v.patch_size, v.merge_kernel_size[0], v.in_patch_limit, v.patch_limit_per_side)
+        content.insert(0, {"type": "image", "image": image})
+    try:
+        msgs = normalize_messages([{"role": "user", "content": content}], rules)
+    except ChatRowError as e:
+        raise GenerateError(f"chat=true: {e}") from None
+    ((ids, _),) = encode_conversations(tok, [K3Renderer().render(msgs, add_generation_prompt=True)])
+    return [int(i) for i in ids], images, int(tok.token_to_id(CLOSE))
 
 
 class TextStream:
@@ -228,7 +256,12 @@ def _main(argv: list[str]) -> int:
         except ValueError:
             raise GenerateError(f"prompt_ids must be integers separated by spaces, got {a['prompt_ids']!r}") from None
     images: dict[str, torch.Tensor] = {}
-    if a["image"] is not None:  # the image comes first, after BOS
+    stop = None
+    if a["chat"]:
+        if a["prompt"] is None:
+            raise GenerateError('chat=true renders prompt="text" as a user turn; prompt_ids= cannot be')
+        ids, images, stop = chat_prompt(model, tok, a["prompt"], a["image"])
+    elif a["image"] is not None:  # the image comes first, after BOS
         block, images = image_prompt(model, tok, a["image"])
         at = 1 if tok is not None and tok.bos_id is not None and ids[:1] == [tok.bos_id] else 0
         ids = ids[:at] + block + ids[at:]
@@ -237,6 +270,7 @@ def _main(argv: list[str]) -> int:
         raise GenerateError(f"prompt token ids must be non-empty and in [0, {V}); got {len(ids)} ids")
     sys.stdout.write(a["prompt"] if a["prompt"] is not None else a["prompt_ids"])
     eos = tok.eos_id if tok is not None and tok.eos_id is not None else model.config.eos_token_id
+    eos = stop if stop is not None else eos
     r = timed_generate(
         model,
         ids,

@@ -24,6 +24,7 @@ from training.metrics.system import GPU_PEAK_BF16
 from training.tools.activation_memory import activation_bytes, loss_backward_bytes
 from training.tools.lora_memory import lora_terms
 from training.tools.plan_table import format_table
+from training.tools.vision_memory import DEFAULT_SIDE, vision_terms
 
 GB = 1e9
 ZERO0_ALLREDUCE_ELEMENTS = 500_000_000  # deepspeed.runtime.engine.MEMORY_OPT_ALLREDUCE_SIZE (0.19.8)
@@ -72,6 +73,8 @@ class Layout:
     max_reuse_distance: int | None = None
     prefetch_bucket_size: int | None = None
     lora: Any = None  # finetune=lora: model.lora.LoRASpec (training/tools/lora_memory.py)
+    images_per_step: int = 0  # plan.images_per_step / plan.image_side: the vision tower (training/tools/vision_memory)
+    image_side: int = DEFAULT_SIDE
 
 
 def zero3_knobs_from_json(ds_config: dict[str, Any]) -> dict[str, int]:
@@ -119,7 +122,8 @@ def grads_persist(layout: Layout) -> bool:
     return layout.zero_stage >= 1 or layout.precision == "bf16"
 
 
-BACKWARD_TERMS = ("activations", "loss_backward", "zero3_gathered")  # alive from the forward into the backward
+# alive from the forward into the backward
+BACKWARD_TERMS = ("activations", "loss_backward", "zero3_gathered", "vision_activations")
 STEP_TERMS = ("optimizer_step",)  # alive during the optimizer step only
 
 
@@ -240,12 +244,14 @@ def plan(
     gpu["reserve"] = hw.reserve_gb * GB
     if layout.lora is not None:  # frozen base + adapter state (training/tools/lora_memory.py)
         gpu.update(lora_terms(config, bd, layout, W, per, zero3_gathered_params))
+    vision = vision_terms(config, layout, W, per)
+    gpu.update(vision.pop("gpu"))
     gpu_total = peak_bytes(gpu, grads_persist=grads_persist(layout))
 
     # compute
     fpt = flops_per_token(config, layout.seq_len, training=True)
     tokens_gpu = layout.micro_batch_size * layout.seq_len * layout.grad_accum // sp  # this rank's share
-    compute_s = tokens_gpu * fpt / (hw.peak_tflops * 1e12 * hw.mfu)
+    compute_s = (tokens_gpu * fpt + vision["flops_per_gpu_step"]) / (hw.peak_tflops * 1e12 * hw.mfu)
 
     # MoE all-to-all: every (token, expert) pair carries l values in the activation dtype, out and back, in forward
     # and backward (+ forward again when checkpointing); the share for experts on other GPUs leaves this GPU.
@@ -306,6 +312,7 @@ def plan(
             "sp_all_to_all": sp_a2a / GB,
             "sp_all_to_all_per_layer": sp_a2a / max(1, config.num_hidden_layers) / GB,
         },
+        "vision": vision,
         "warnings": list(warnings),
         "peak_rule": {
             "backward": [k for k in BACKWARD_TERMS if k in gpu],
@@ -326,6 +333,7 @@ def plan(
 
 
 _PLAN_FIELDS = {f.name: f.type for f in dataclasses.fields(Hardware)} | {"out": "str", "format": "str", "device": "str"}
+_PLAN_FIELDS |= {"images_per_step": "int", "image_side": "int"}  # Layout's
 
 
 def split_overrides(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
@@ -359,7 +367,7 @@ def from_overrides(argv: Sequence[str]) -> tuple[Any, Layout, Hardware, dict[str
     config = build_model_config(cfg)
     hw_kw: dict[str, Any] = {}
     for k, v in planner.items():
-        if k in ("out", "format", "device"):
+        if k in ("out", "format", "device", "images_per_step", "image_side"):
             continue
         ftype = type(getattr(Hardware(), k))
         hw_kw[k] = ftype(v)
@@ -386,6 +394,7 @@ def from_overrides(argv: Sequence[str]) -> tuple[Any, Layout, Hardware, dict[str
         overlap_comm=bool(cfg.deepspeed.overlap_comm),
         **zero3_knobs_from_json(build_ds_config(cfg, hw.world)),
         lora=lora_spec(cfg),
+        **{k: int(planner[k]) for k in ("images_per_step", "image_side") if k in planner},
     )
     warnings = []
     try:
