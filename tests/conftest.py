@@ -77,6 +77,7 @@ FIRST = (
     "distributed/test_sequence_parallel.py",  # 160 + 19
     "distributed/test_zero3_ep.py",  # 92 + 5
     "distributed/test_muon_zero.py",  # 80
+    "training/test_plan_zero3_sp.py",  # 57
     "base_run",  # 38 + 17 + 14 + 11 + 8
     "training/test_entry_points.py",  # 37 + 7 + 6
     "fault/test_sweep.py",  # 47
