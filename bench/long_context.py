@@ -2,6 +2,7 @@
 
     DS_ACCELERATOR=cpu .venv/bin/python -m bench.long_context                      # parts at 16k and 32k tokens
     DS_ACCELERATOR=cpu .venv/bin/python -m bench.long_context --seqs --steps 16384  # whole train steps (minutes)
+    DS_ACCELERATOR=cpu .venv/bin/python -m bench.long_context --seqs --sp-steps 16384 32768 --budget 1.0  # + SP, budget
 
 Each case runs in a fresh child process with glibc's mmap threshold fixed (so freed tensors leave the heap at once)
 and reports the peak heap growth over forward + backward (training/metrics/heap.py, the CPU analogue of
@@ -10,7 +11,14 @@ and reports the peak heap growth over forward + backward (training/metrics/heap.
     logits + the chunked CE (`train.loss_tile_tokens=0`) vs `TiledLinearCrossEntropy` with tiles of 1024 tokens;
   * ffn: one dense SiTU-GLU (d 256, intermediate 1024): untiled vs `train.ffn_tile_tokens=1024`;
   * step (`--steps`): one `tiny` train step (forward + backward, activation checkpointing on) of one sequence,
-    without and with both tilings: the per-rank peak at SP=1.
+    without and with both tilings: the per-rank peak at SP=1;
+  * sp_step (`--sp-steps`): the same step through the trainer's build and DeepSpeed engine (ZeRO-0, fp32) under the
+    real launcher, 1 rank SP=1 and 2 ranks `parallel.sp_size=2` (each rank its half of the sequence, the
+    sequence-parallel mpu), checkpointing on, without and with both tilings: the per-rank peak, rank 0's loss;
+  * budget (`--budget GB`): the longest sequence one process trains (`step` as above) inside GB of peak growth,
+    for the plain step (no checkpointing, no tiling), checkpointing alone and checkpointing + both tilings: the
+    peak is measured at 2k and 4k tokens, the longest length inside the budget read off the line through them (a
+    multiple of 1024) and then run, stepping down 1024 tokens until it fits.
 Losses and gradients are compared in the same run (max relative difference, tiled vs untiled).
 """
 
@@ -78,9 +86,9 @@ def child(part: str, seq: int, tiled: bool) -> dict[str, Any]:
 
         peak, loss = _peak(run)
         grads = [x.grad, *(p.grad for p in ffn.parameters())]
-    else:
+    else:  # step; "plain" (budget): neither checkpointing nor tiling
         model = K3ForCausalLM(cfg).train()
-        model.set_gradient_checkpointing(True)
+        model.set_gradient_checkpointing(part != "plain")
         model.set_loss_tiling(TILE if tiled else 0)
         model.set_ffn_tiling(TILE if tiled else 0)
         ids = torch.randint(0, cfg.vocab_size, (1, seq), generator=g)
@@ -119,12 +127,108 @@ def _case(part: str, seq: int, env: dict[str, str], tmp: str) -> dict[str, Any]:
     }
 
 
+def sp_child(seq: int, tiled: bool, out: str) -> None:
+    """One rank of an sp_step case under the launcher: the trainer's build and engine, one forward + backward."""
+    sys.path.insert(0, str(ROOT))  # run as a script by the launcher: bench/ is sys.path[0]
+    import torch
+
+    from training.config import build_model_config, compose
+    from training.distributed import init_distributed
+    from training.engine import build_ds_config, initialize, param_groups
+    from training.metrics.heap import HeapPeak
+    from training.parallel.construct import build_model
+    from training.step import pack_microbatch
+
+    torch.set_num_threads(1)
+    info = init_distributed()
+    sp = info.world_size
+    over = ["model=tiny", "deepspeed=zero0", f"parallel.sp_size={sp}", f"train.seq_len={seq}", "logging=disabled"]
+    cfg = compose([*over, "train.micro_batch_size=1", "train.precision=fp32"])
+    mcfg = build_model_config(cfg)
+    ds = build_ds_config(cfg, info.world_size)
+    ids = torch.randint(0, mcfg.vocab_size, (1, seq), generator=torch.Generator().manual_seed(1))
+    mb = pack_microbatch({"input_ids": ids, "labels": ids, "cu_seqlens": torch.tensor([0, seq])}, sp, info.rank)
+    model, par = build_model(mcfg, 0, 1, 0, ds, sp_size=sp)
+    model.set_gradient_checkpointing(True)
+    model.set_loss_tiling(TILE if tiled else 0)
+    model.set_ffn_tiling(TILE if tiled else 0)
+    engine, _, _ = initialize(cfg, model, ds, param_groups(model, 0.0), mpu=par.mpu)
+    with HeapPeak() as heap:
+        res = engine(**mb.model_inputs(engine.device))
+        engine.backward(res.loss)
+    rec = {"peak_GB": heap.peak / GB, "loss": float(res.loss.detach())}
+    Path(f"{out}.rank{info.rank}.json").write_text(json.dumps(rec))
+
+
+def _sp_case(seq: int, sp: int, env: dict[str, str], tmp: str) -> list[dict[str, Any]]:
+    """Per-rank rows of one sp_step case: untiled vs tiled, `sp` ranks through the launcher."""
+    from training.launch import launch_command
+
+    res = []
+    for tiled in (False, True):
+        out = f"{tmp}/sp{sp}_{seq}_{int(tiled)}"
+        cmd = launch_command(["--sp-child", str(seq), str(int(tiled)), out], sp, __file__)
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
+        if p.returncode != 0:
+            raise SystemExit(f"sp_step {seq} SP={sp} failed: {p.stderr.strip().splitlines()[-1:]}")
+        res.append([json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(sp)])
+    return [
+        {
+            "part": "sp_step",
+            "seq_len": seq,
+            "sp_size": sp,
+            "rank": r,
+            "untiled_GB": res[0][r]["peak_GB"],
+            "tiled_GB": res[1][r]["peak_GB"],
+            "ratio": res[1][r]["peak_GB"] / res[0][r]["peak_GB"],
+            "loss_rel_diff": abs(res[1][r]["loss"] - res[0][r]["loss"]) / abs(res[0][r]["loss"]),
+        }
+        for r in range(sp)
+    ]
+
+
+def _step_peak(part: str, seq: int, tiled: bool, env: dict[str, str], tmp: str) -> float:
+    env = dict(env, K3_LONG_CONTEXT_GRADS=f"{tmp}/budget")
+    cmd = [sys.executable, "-m", "bench.long_context", "--child", part, str(seq), str(int(tiled))]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    return float(json.loads(p.stdout.strip().splitlines()[-1])["peak_GB"])
+
+
+def _budget(budget: float, env: dict[str, str], tmp: str) -> dict[str, Any]:
+    """The longest sequence (multiple of 1024) whose step peak stays inside `budget` GB, per memory mode."""
+    modes = {"plain": ("plain", False), "checkpointing": ("step", False), "checkpointing+tiling": ("step", True)}
+    out: dict[str, Any] = {"budget_GB": budget, "modes": {}}
+    for name, (part, tiled) in modes.items():
+        p2, p4 = (_step_peak(part, t, tiled, env, tmp) for t in (2048, 4096))
+        per_token = (p4 - p2) / 2048
+        seq = max(1024, int((budget - (p2 - per_token * 2048)) / per_token) // 1024 * 1024)
+        while (peak := _step_peak(part, seq, tiled, env, tmp)) > budget and seq > 1024:
+            seq -= 1024
+        out["modes"][name] = {"peak_2k_GB": p2, "peak_4k_GB": p4, "longest_seq": seq, "peak_GB": peak}
+        print(name, out["modes"][name], flush=True)
+    base = out["modes"]["plain"]["longest_seq"]
+    for m in out["modes"].values():
+        m["vs_plain"] = m["longest_seq"] / base
+    out["tiling_vs_checkpointing"] = (
+        out["modes"]["checkpointing+tiling"]["longest_seq"] / out["modes"]["checkpointing"]["longest_seq"]
+    )
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seqs", nargs="*", type=int, default=[16384, 32768], help="tokens of the loss/ffn parts")
     ap.add_argument("--steps", nargs="*", type=int, default=[], help="tokens of whole train steps (slow)")
+    ap.add_argument("--sp-steps", nargs="*", type=int, default=[], help="tokens of SP=1 / SP=2 engine steps (slow)")
+    ap.add_argument("--sp", nargs="*", type=int, default=[1, 2], help="SP sizes of --sp-steps (ranks)")
+    ap.add_argument("--budget", type=float, default=0.0, help="GB: the longest sequence inside it, per mode")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--sp-child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.sp_child:
+        seq, tiled, out = args.sp_child
+        sp_child(int(seq), bool(int(tiled)), out)
+        return {}
     if args.child:
         part, seq, tiled = args.child
         print(json.dumps(child(part, int(seq), bool(int(tiled)))))
@@ -146,12 +250,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for part, seq in cases:
             rows.append(_case(part, seq, env, tmp))
             print(rows[-1], flush=True)
+        for seq in args.sp_steps:
+            for sp in args.sp:
+                rows += _sp_case(seq, sp, env, tmp)
+                print(rows[-1], flush=True)
+        budget = _budget(args.budget, env, tmp) if args.budget > 0 else None
     print_table(
-        f"peak memory over forward + backward, untiled vs tiled ({TILE}-token tiles), tiny, 1 process, fp32",
+        f"peak memory over forward + backward, untiled vs tiled ({TILE}-token tiles), tiny, per rank, fp32",
         rows,
-        ["part", "seq_len", "untiled_GB", "tiled_GB", "ratio", "loss_rel_diff", "grad_rel_diff"],
+        ["part", "seq_len", "sp_size", "rank", "untiled_GB", "tiled_GB", "ratio", "loss_rel_diff", "grad_rel_diff"],
     )
-    payload = {"tile_tokens": TILE, "rows": rows}
+    # rows (and a budget) of cases not run now keep their last numbers in the results file
+    from bench.common import RESULTS_DIR
+
+    old_path = RESULTS_DIR / "long_context.json"
+    old = json.loads(old_path.read_text()) if old_path.exists() else {}
+    key = lambda r: (r["part"], r["seq_len"], r.get("sp_size", 1), r.get("rank", 0))  # noqa: E731
+    new = {key(r) for r in rows}
+    rows = [r for r in old.get("rows", []) if key(r) not in new] + rows
+    payload = {"tile_tokens": TILE, "rows": rows, "budget": budget or old.get("budget")}
+    payload["step_machine"] = old.get("step_machine")  # where the older rows ran
+    if budget:
+        print(json.dumps(budget, indent=1))
     print(f"wrote {write_json('long_context', payload)}")
     return payload
 

@@ -78,6 +78,7 @@ FIRST = (
     "distributed/test_vision_train.py",  # 119 (6 launches, 5 at once; 2026-12-04, under the heavy-job lock)
     "distributed/test_zero3_ep.py",  # 92 + 5
     "distributed/test_muon_zero.py",  # 80
+    "training/test_plan_zero3_sp.py",  # 57
     "base_run",  # 38 + 17 + 14 + 11 + 8
     "training/test_entry_points.py",  # 37 + 7 + 6
     "fault/test_sweep.py",  # 47

@@ -83,3 +83,10 @@ def test_k3_at_2_20_tokens_on_256_h200_fits_only_with_tiling_and_the_trainer_acc
     assert not plan(*untiled[:3])["fits"]["gpu"]
     config, layout, hw, _, warnings = tiled
     assert plan(config, layout, hw)["fits"]["gpu"] and warnings == []
+
+
+def test_k3_256k_fine_tuning_on_256_h200_fits_with_tiling_and_the_trainer_accepts_it():
+    """docs/planning.md's 256k worked example: SP 8 on 32 nodes, 32,768 tokens per GPU."""
+    over = [a for a in K3_2_20 if not a.startswith(("parallel.sp_size", "train.seq_len"))]
+    config, layout, hw, _, warnings = from_overrides([*over, "parallel.sp_size=8", "train.seq_len=262144", *TILED])
+    assert plan(config, layout, hw)["fits"]["gpu"] and warnings == []
