@@ -147,7 +147,7 @@ class Trainer:
         self.module = self.engine.module
         self.moe_layers = self.module.moe_layers()
         self.qk_clip = QKClip(self.module, cfg.optim.qk_clip_tau)
-        self.moe_layer_ids = [i for i in range(mcfg.num_hidden_layers) if mcfg.is_moe_layer(i)]
+        self.moe_layer_ids = [d.layer_idx for d in self.module.decoder_layers() if d.is_moe]  # MTP: L..L+D-1
 
         self.loader = GlobalBatchLoader(
             OmegaConf.to_object(cfg.data),
