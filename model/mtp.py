@@ -21,11 +21,16 @@ embeddings; causal attention keeps them out of every counted position.
 
 from __future__ import annotations
 
+import logging
+import re
+
 import torch
 from torch import nn
 
 from model.loss import IGNORE_INDEX
 from model.norm import RMSNorm
+
+log = logging.getLogger(__name__)
 
 
 class EHProj(nn.Linear):
@@ -93,3 +98,31 @@ def mtp_losses(lm: nn.Module, hidden_BTD: torch.Tensor, embeds_BTD: torch.Tensor
         loss, count, _ = lm.lm_loss(lm.model.norm(h), depth_targets(targets_BT, k, cu_seqlens))
         losses.append((loss, count))
     return losses, stats
+
+
+_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
+_SHARED_COPIES = ("embed_tokens.", "shared_head.")  # DeepSeek-V3 repeats the shared embedding/head per MTP layer
+
+
+def drop_unused_mtp_tensors(hf_state: dict, num_hidden_layers: int, mtp_depth: int, path: str) -> dict:
+    """The checkpoint's tensors minus MTP blocks past `mtp_depth` (a checkpoint with MTP loaded into a model with
+    fewer or none) and DeepSeek-V3's per-MTP-layer copies of the shared embedding / head; each drop is logged in
+    one line, never silent. Other keys pass through (unknown ones are load's to report)."""
+    past, copies = [], []
+    for key in hf_state:
+        m = _LAYER_KEY.match(key)
+        if m and int(m.group(1)) >= num_hidden_layers:
+            if int(m.group(1)) >= num_hidden_layers + mtp_depth:
+                past.append(key)
+            elif m.group(2).startswith(_SHARED_COPIES):
+                copies.append(key)
+    if past:
+        blocks = sorted({int(_LAYER_KEY.match(k).group(1)) for k in past})  # type: ignore[union-attr]
+        log.warning(
+            f"load_hf_checkpoint: the model has mtp_depth={mtp_depth}: dropping {len(past)} tensors of the MTP "
+            f"block(s) model.layers.{blocks} of {path}"
+        )
+    if copies:
+        log.warning(f"load_hf_checkpoint: dropping {len(copies)} per-MTP-layer copies of the shared embedding/head")
+    drop = set(past) | set(copies)
+    return {k: t for k, t in hf_state.items() if k not in drop}
