@@ -39,6 +39,7 @@ class K3Output:
     num_loss_tokens: torch.Tensor | None = None  # how many targets the CE averaged over (int64 scalar)
     mtp_losses: list | None = None  # per MTP depth its mean CE (model/mtp.py); `loss` holds mtp_loss on top
     mtp_loss: torch.Tensor | None = None  # mtp_weight x mean of mtp_losses, included in `loss`
+    mtp_counts: list | None = None  # per MTP depth the targets its CE averaged over
     hidden_states: torch.Tensor | None = None  # [B, T, D] final-normed hidden state (MTP drafting reads it)
 
 
@@ -406,14 +407,14 @@ class K3ForCausalLM(nn.Module):
         hidden_BTD, stats = self.model(input_ids, cu_seqlens=cu_seqlens, cache=cache, inputs_embeds=inputs_embeds)
         if cache is not None:
             cache.seen_tokens += input_ids.shape[1]
-        loss = count = logits_BTV = mtp_loss = per_depth = None
+        loss = count = logits_BTV = mtp_loss = per_depth = counts = None
         if wants_loss:
             targets_BT = targets if targets is not None else shift_targets(labels, cu_seqlens)  # type: ignore[arg-type]
             loss, count, logits_BTV = self.lm_loss(hidden_BTD, targets_BT)
             if mtp:
                 depths, mtp_stats = mtp_losses(self, hidden_BTD, inputs_embeds, targets_BT, cu_seqlens)
                 stats = stats + mtp_stats
-                per_depth = [d_loss for d_loss, _ in depths]
+                per_depth, counts = [d for d, _ in depths], [c for _, c in depths]
                 mtp_loss = self.mtp_weight * torch.stack(per_depth).mean()
                 loss = loss + mtp_loss
         else:
@@ -422,7 +423,7 @@ class K3ForCausalLM(nn.Module):
         aux_loss = torch.stack([upcast(a) for a in aux]).sum() if aux else None
         if loss is not None and aux_loss is not None and self.config.moe_balance == "aux":
             loss = loss + aux_loss
-        return K3Output(logits_BTV, loss, stats, aux_loss, count, per_depth, mtp_loss, hidden_BTD)
+        return K3Output(logits_BTV, loss, stats, aux_loss, count, per_depth, mtp_loss, counts, hidden_BTD)
 
     def lm_loss(self, hidden_BTD: torch.Tensor, targets_BT: torch.Tensor):
         """(mean CE over counted targets, count, logits | None when tiled) of final-normed hidden states."""
