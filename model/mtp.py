@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,7 +43,7 @@ class EHProj(nn.Linear):
         nn.init.normal_(self.weight, mean=0.0, std=self.std)
 
 
-def add_mtp_inputs(layer: nn.Module, hidden_size: int, eps: float, std: float) -> None:
+def add_mtp_inputs(layer: Any, hidden_size: int, eps: float, std: float) -> None:
     """Give an MTP decoder layer its DeepSeek-V3 input modules `enorm`, `hnorm`, `eh_proj` (HF names)."""
     layer.enorm = RMSNorm(hidden_size, eps)
     layer.hnorm = RMSNorm(hidden_size, eps)
@@ -77,7 +78,7 @@ def depth_targets(targets_BT: torch.Tensor, k: int, cu_seqlens: torch.Tensor | N
     return out
 
 
-def mtp_block(layer: nn.Module, h_BTD: torch.Tensor, emb_BTD: torch.Tensor, cu_seqlens=None, cache=None):
+def mtp_block(layer: Any, h_BTD: torch.Tensor, emb_BTD: torch.Tensor, cu_seqlens=None, cache=None):
     """One depth on aligned inputs: `h` the previous depth's hidden state, `emb` the embedding of the token to
     condition on. Returns (h_k pre-norm, RouterStats | None)."""
     x = layer.eh_proj(torch.cat([layer.enorm(emb_BTD), layer.hnorm(h_BTD)], dim=-1))
@@ -85,9 +86,10 @@ def mtp_block(layer: nn.Module, h_BTD: torch.Tensor, emb_BTD: torch.Tensor, cu_s
     return h, stats
 
 
-def mtp_losses(lm: nn.Module, hidden_BTD: torch.Tensor, embeds_BTD: torch.Tensor, targets_BT, cu_seqlens=None):
+def mtp_losses(lm: Any, hidden_BTD: torch.Tensor, embeds_BTD: torch.Tensor | None, targets_BT, cu_seqlens=None):
     """Per depth (mean CE, counted targets), and the MTP blocks' RouterStats, for a K3ForCausalLM `lm` whose main
     forward gave `hidden_BTD` (final-normed) from `embeds_BTD` with (shifted) `targets_BT`."""
+    assert embeds_BTD is not None, "mtp_losses needs the input embeddings"
     L, D = lm.config.num_hidden_layers, lm.config.mtp_depth
     losses, stats = [], []
     h = hidden_BTD
