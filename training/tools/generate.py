@@ -8,7 +8,9 @@ max_new_tokens (64), temperature (0 = greedy), top_k, top_p, seed (0), dtype (fl
 device (cpu), bos (null: prepend BOS exactly when the run trained with data.add_bos, read from the run's
 config.yaml; true/false to force), bench (false), contexts ("100,4000"), bench_tokens (32), image (a picture file:
 a multimodal checkpoint sees it before the prompt, as `<|media_begin|>image WxH<|media_content|>` + its
-`<|media_pad|>` tokens + `<|media_end|>`, resized by data/images.py's rule).
+`<|media_pad|>` tokens + `<|media_end|>`, resized by data/images.py's rule), speculative (false; true: greedy
+self-speculative decoding drafting with the model's first MTP block, model/speculative.py: the same tokens as
+plain greedy, the accepted-draft rate on stderr).
 
 Tokens stream to stdout as they are sampled; tokens/s of the decode phase goes to stderr. `bench=true` shows why
 K3 decodes at a context-independent cost: KDA carries a fixed-size state and MLA attends over a 576-value latent
@@ -31,6 +33,7 @@ from data import DataError, Tokenizer, load_tokenizer
 from data.images import MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD, ImageError, ImageRules, prepare_image
 from model import K3ForConditionalGeneration, load_hf_checkpoint
 from model.generate import generate
+from model.speculative import generate_speculative
 from training.tools.cli import ToolError, parse_args, run_tool
 from training.tools.export import load_checkpoint_model
 
@@ -50,6 +53,7 @@ DEFAULTS: dict[str, Any] = {
     "contexts": "100,4000",
     "bench_tokens": 32,
     "image": None,
+    "speculative": False,
 }
 _KINDS = {
     "checkpoint": str,
@@ -237,6 +241,8 @@ def _main(argv: list[str]) -> int:
         raise GenerateError(f"prompt token ids must be non-empty and in [0, {V}); got {len(ids)} ids")
     sys.stdout.write(a["prompt"] if a["prompt"] is not None else a["prompt_ids"])
     eos = tok.eos_id if tok is not None and tok.eos_id is not None else model.config.eos_token_id
+    if a["speculative"]:
+        return _speculative(model, ids, a, tok, eos, bool(images))
     r = timed_generate(
         model,
         ids,
@@ -253,6 +259,25 @@ def _main(argv: list[str]) -> int:
     print(
         f"{r['new_tokens']} tokens, prefill {len(ids)} tokens in {r['prefill_s']:.3f} s, decode "
         f"{r['decode_tokens_per_s']:.1f} tokens/s",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _speculative(model, ids: list[int], a: dict[str, Any], tok, eos, images: bool) -> int:
+    if a["temperature"] > 0 or images or getattr(model.config, "mtp_depth", 0) < 1:
+        raise GenerateError("speculative=true needs temperature=0, no image and a checkpoint with model.mtp_depth >= 1")
+    prompt = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
+    t0 = time.perf_counter()
+    out, st = generate_speculative(model, prompt, a["max_new_tokens"], eos_token_id=eos)
+    new = out[0, len(ids) :]
+    stream = TextStream(tok)
+    for t in new:
+        stream(t[None])
+    sys.stdout.write("\n")
+    print(
+        f"{len(new)} tokens in {time.perf_counter() - t0:.3f} s, speculative: {st.accepted}/{st.drafted} drafts "
+        f"accepted ({100 * st.acceptance:.0f}%), {st.main_forwards} main forwards after the prefill",
         file=sys.stderr,
     )
     return 0
