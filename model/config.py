@@ -54,7 +54,7 @@ class K3Config:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
-    num_nextn_predict_layers: int = 0
+    mtp_depth: int = 0  # multi-token-prediction blocks (model/mtp.py); HF/DeepSeek-V3: num_nextn_predict_layers
     # --- SiTU-GLU ---------------------------------------------------------------------------------------------
     hidden_act: str = "situ"
     activation_situ_beta: float = 4.0
@@ -130,8 +130,15 @@ class K3Config:
         mla = set(self.linear_attn_config["full_attn_layers"])
         return ["mla" if (i + 1) in mla else "kda" for i in range(self.num_hidden_layers)]
 
+    def layer_kind(self, layer_idx: int) -> str:
+        """'kda' | 'mla' of a 0-based layer; the MTP blocks (indices L..L+mtp_depth-1) are MLA."""
+        return self.layer_types[layer_idx] if layer_idx < self.num_hidden_layers else "mla"
+
     def is_moe_layer(self, layer_idx: int) -> bool:
-        """0-based: MoE iff past the first_k_dense_replace dense layers (and on the moe_layer_freq grid)."""
+        """0-based: MoE iff past the first_k_dense_replace dense layers (and on the moe_layer_freq grid); the MTP
+        blocks (layer_idx >= num_hidden_layers) always are."""
+        if layer_idx >= self.num_hidden_layers:
+            return True
         return layer_idx >= self.first_k_dense_replace and layer_idx % self.moe_layer_freq == 0
 
     @property
@@ -203,7 +210,10 @@ class K3Config:
             f"moe_router_activation_func must be 'sigmoid', got {self.moe_router_activation_func!r}",
         )
         need(self.mla_use_nope, "mla_use_nope must be true: this implementation has no RoPE (K3 is NoPE)")
-        need(self.num_nextn_predict_layers == 0, "num_nextn_predict_layers must be 0: MTP is not implemented")
+        need(
+            isinstance(self.mtp_depth, int) and not isinstance(self.mtp_depth, bool) and self.mtp_depth >= 0,
+            f"mtp_depth must be an integer >= 0 (0 = no multi-token prediction), got {self.mtp_depth!r}",
+        )
         for key in ("initializer_range", "routed_scaling_factor"):
             need(getattr(self, key) > 0, f"{key} must be > 0, got {getattr(self, key)}")
         for key in ("moe_sign_update_rate", "moe_aux_loss_coef"):
@@ -332,6 +342,8 @@ class K3Config:
             raw = raw["text_config"]
         names = {f.name for f in dataclasses.fields(cls)} - {"vision_config", "media_placeholder_token_id"}
         kwargs = {k: v for k, v in raw.items() if k in names}
+        if "mtp_depth" not in raw and raw.get("num_nextn_predict_layers"):  # DeepSeek-V3's key for the MTP blocks
+            kwargs["mtp_depth"] = int(raw["num_nextn_predict_layers"])
         if isinstance(top.get("vision_config"), dict):  # the release: vision keys sit beside text_config
             kwargs["vision_config"] = {"text_hidden_size": raw.get("hidden_size"), **top["vision_config"]}
             kwargs["media_placeholder_token_id"] = top.get("media_placeholder_token_id")
@@ -351,6 +363,7 @@ class K3Config:
         d = dataclasses.asdict(self)
         vision, media = d.pop("vision_config"), d.pop("media_placeholder_token_id")
         d["linear_attn_config"] = dict(self.linear_attn_config)
+        d["num_nextn_predict_layers"] = self.mtp_depth  # DeepSeek-V3 readers' name for the MTP blocks
         d["model_type"] = "kimi_linear"
         d["architectures"] = ["KimiLinearForCausalLM"]
         if self.vision_config is None:

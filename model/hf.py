@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 from model.config import K3Config, a_log_storage_len
 from model.k3 import K3ForCausalLM
 from model.meta import on_meta
+from model.mtp import drop_unused_mtp_tensors
 from model.mxfp4 import dequantize_mxfp4, pack_mxfp4
 from model.vision.multimodal import K3ForConditionalGeneration
 
@@ -319,6 +320,7 @@ def load_hf_checkpoint(
     if text_only or config.vision_config is None:
         config = config.text_only()
     hf_state = read_hf_state(path, vision=True)
+    hf_state = drop_unused_mtp_tensors(hf_state, config.num_hidden_layers, config.mtp_depth, path)
     n_vision = sum(k.startswith(VISION_PREFIXES) for k in hf_state)
     if n_vision and config.vision_config is None and (had_vision or text_only):  # explicit: drop them, visibly
         log.warning(

@@ -24,6 +24,7 @@ from model.kda import KDA, KDACache
 from model.loss import IGNORE_INDEX, LMHead
 from model.mla import GatedMLA, MLACache
 from model.moe.layer import LatentMoE
+from model.mtp import add_mtp_inputs, mtp_losses
 from model.norm import RMSNorm, upcast
 from model.offload import HostCopies, checkpoint_on_host
 from model.sequence import SequenceShard
@@ -36,6 +37,10 @@ class K3Output:
     router_stats: list = field(default_factory=list)  # one RouterStats per MoE layer, in layer order
     aux_loss: torch.Tensor | None = None  # sum of the MoE layers' auxiliary losses (moe_balance == aux), else None
     num_loss_tokens: torch.Tensor | None = None  # how many targets the CE averaged over (int64 scalar)
+    mtp_losses: list | None = None  # per MTP depth its mean CE (model/mtp.py); `loss` holds mtp_loss on top
+    mtp_loss: torch.Tensor | None = None  # mtp_weight x mean of mtp_losses, included in `loss`
+    mtp_counts: list | None = None  # per MTP depth the targets its CE averaged over
+    hidden_states: torch.Tensor | None = None  # [B, T, D] final-normed hidden state (MTP drafting reads it)
 
 
 @dataclass
@@ -47,7 +52,8 @@ class K3Cache:
 
     @classmethod
     def empty(cls, config: K3Config) -> K3Cache:
-        return cls([KDACache() if t == "kda" else MLACache() for t in config.layer_types])
+        n = config.num_hidden_layers + config.mtp_depth  # the MTP blocks (MLA) cache too: self-speculative decode
+        return cls([KDACache() if config.layer_kind(i) == "kda" else MLACache() for i in range(n)])
 
 
 # --- loss -------------------------------------------------------------------------------------------------------
@@ -141,8 +147,9 @@ class K3DecoderLayer(nn.Module):
         super().__init__()
         d, eps = config.hidden_size, config.rms_norm_eps
         self.layer_idx = layer_idx
-        self.layer_type = config.layer_types[layer_idx]
-        self.attn_res_block_size = config.attn_res_block_size or 0
+        self.layer_type = config.layer_kind(layer_idx)
+        self.is_mtp = layer_idx >= config.num_hidden_layers  # an MTP block (model/mtp.py): plain PreNorm
+        self.attn_res_block_size = 0 if self.is_mtp else config.attn_res_block_size or 0
         self.is_moe = config.is_moe_layer(layer_idx)
         self.gradient_checkpointing = False
         self.checkpoint_offload = False  # checkpointed inputs in host memory (model/offload.py)
@@ -160,6 +167,8 @@ class K3DecoderLayer(nn.Module):
             self.self_attention_res_norm = RMSNorm(d, eps)
             self.mlp_res_proj = nn.Linear(d, 1, bias=False)
             self.mlp_res_norm = RMSNorm(d, eps)
+        if self.is_mtp:
+            add_mtp_inputs(self, d, eps, config.initializer_range)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -232,7 +241,8 @@ class K3Model(nn.Module):
         d = config.hidden_size
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, d)
-        self.layers = nn.ModuleList(K3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        n = config.num_hidden_layers + config.mtp_depth  # the MTP blocks follow (DeepSeek-V3's HF indices)
+        self.layers = nn.ModuleList(K3DecoderLayer(config, i) for i in range(n))
         self.norm = RMSNorm(d, config.rms_norm_eps)
         if config.attn_res_enabled:
             self.output_attn_res_proj = nn.Linear(d, 1, bias=False)
@@ -263,7 +273,7 @@ class K3Model(nn.Module):
         partial = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [B, T, D]
         stats = []
         copies: HostCopies = {}  # host copies of offloaded checkpoint inputs, shared by this forward's layers
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers[: self.config.num_hidden_layers]):
             layer_cache = None if cache is None else cache.layers[i]
             blocks, partial, s = layer(blocks, partial, cu_seqlens, layer_cache, host_copies=copies)
             if s is not None:
@@ -280,6 +290,8 @@ class K3Model(nn.Module):
 
 class K3ForCausalLM(nn.Module):
     """K3 text LM: `model` (K3Model) + untied `lm_head`. See the module docstring for the checkpoint mapping."""
+
+    mtp_weight: float = 0.3  # loss = main + mtp_weight x mean of the MTP depths' CE (train.mtp_weight)
 
     def __init__(self, config: K3Config) -> None:
         super().__init__()
@@ -361,6 +373,8 @@ class K3ForCausalLM(nn.Module):
             raise ValueError(
                 "a sequence-sharded model takes targets, not labels: shift_targets on the whole sequence, then slice"
             )
+        if shard is not None and self.config.mtp_depth:
+            raise ValueError("MTP (mtp_depth > 0) shifts tokens across the sequence shards; use sp_size=1")
         T = input_ids.shape[1] * (shard.size if shard is not None else 1)
         if cu_seqlens is not None:
             if input_ids.shape[0] != 1:
@@ -386,25 +400,36 @@ class K3ForCausalLM(nn.Module):
         loss; under `set_sequence_shard` input_ids/targets are this rank's slice, cu_seqlens the whole sequence's.
         `inputs_embeds` (the embedded input_ids with image features scattered in) replaces the lookup."""
         self._check_inputs(input_ids, labels, cu_seqlens, cache, targets)
+        wants_loss = labels is not None or targets is not None
+        mtp = self.config.mtp_depth > 0 and wants_loss
+        if mtp and inputs_embeds is None:  # the same lookup K3Model makes; the MTP depths reuse it
+            inputs_embeds = self.model.embed_tokens(input_ids)
         hidden_BTD, stats = self.model(input_ids, cu_seqlens=cu_seqlens, cache=cache, inputs_embeds=inputs_embeds)
         if cache is not None:
             cache.seen_tokens += input_ids.shape[1]
-        aux = [s.aux_loss for s in stats if getattr(s, "aux_loss", None) is not None]
-        aux_loss = torch.stack([upcast(a) for a in aux]).sum() if aux else None
-        loss = count = logits_BTV = None
-        wants_loss = labels is not None or targets is not None
-        if wants_loss and self.lm_head.tile_rows > 0:  # tiled logits + CE: no [T, V] tensor (model/loss.py)
-            if targets is not None:
-                targets_BT = targets
-            else:
-                assert labels is not None  # wants_loss
-                targets_BT = shift_targets(labels, cu_seqlens)
-            count = (targets_BT != IGNORE_INDEX).sum()
-            loss = self.lm_head(hidden_BTD, targets_BT) / count.clamp_min(1)
+        loss = count = logits_BTV = mtp_loss = per_depth = counts = None
+        if wants_loss:
+            targets_BT = targets if targets is not None else shift_targets(labels, cu_seqlens)  # type: ignore[arg-type]
+            loss, count, logits_BTV = self.lm_loss(hidden_BTD, targets_BT)
+            if mtp:
+                depths, mtp_stats = mtp_losses(self, hidden_BTD, inputs_embeds, targets_BT, cu_seqlens)
+                stats = stats + mtp_stats
+                per_depth, counts = [d for d, _ in depths], [c for _, c in depths]
+                mtp_loss = self.mtp_weight * torch.stack(per_depth).mean()
+                loss = loss + mtp_loss
         else:
             logits_BTV = self.lm_head(hidden_BTD)
-            if wants_loss:
-                loss, count = causal_lm_loss(logits_BTV, labels, cu_seqlens, targets)
+        aux = [s.aux_loss for s in stats if getattr(s, "aux_loss", None) is not None]
+        aux_loss = torch.stack([upcast(a) for a in aux]).sum() if aux else None
         if loss is not None and aux_loss is not None and self.config.moe_balance == "aux":
             loss = loss + aux_loss
-        return K3Output(logits=logits_BTV, loss=loss, router_stats=stats, aux_loss=aux_loss, num_loss_tokens=count)
+        return K3Output(logits_BTV, loss, stats, aux_loss, count, per_depth, mtp_loss, counts, hidden_BTD)
+
+    def lm_loss(self, hidden_BTD: torch.Tensor, targets_BT: torch.Tensor):
+        """(mean CE over counted targets, count, logits | None when tiled) of final-normed hidden states."""
+        if self.lm_head.tile_rows > 0:  # tiled logits + CE: no [T, V] tensor (model/loss.py)
+            count = (targets_BT != IGNORE_INDEX).sum()
+            return self.lm_head(hidden_BTD, targets_BT) / count.clamp_min(1), count, None
+        logits_BTV = self.lm_head(hidden_BTD)
+        loss, count = causal_lm_loss(logits_BTV, None, targets_BT=targets_BT)
+        return loss, count, logits_BTV

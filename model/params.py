@@ -64,7 +64,7 @@ def _component(name: str, layer_types: list[str]) -> str:
     i = int(name.split(".")[2])
     rest = name.split(".", 3)[3]
     if rest.startswith("self_attn."):
-        return layer_types[i]  # kda | mla
+        return layer_types[i] if i < len(layer_types) else "mla"  # kda | mla (MTP blocks: MLA)
     if rest.startswith("mlp."):
         return "dense_ffn"
     if rest.startswith("block_sparse_moe."):

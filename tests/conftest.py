@@ -89,6 +89,7 @@ FIRST = (
     "distributed/test_expert_parallel_engine.py",  # 34
     "distributed/test_lora.py",  # 33
     "fault/test_nonfinite.py",  # 24
+    "distributed/test_mtp_train.py",  # 24 (one concurrent 2-rank + 1-rank pair)
     "training/test_run_files.py",  # 10 + 9
     "fault/test_soak.py",  # 19
     "fault/test_processes.py",  # 18

@@ -58,6 +58,7 @@ BENCH_TINY = {
     "bench.memory": " --cases tiny:64",
     "bench.long_context": " --seqs 256",
     "bench.optim_loss": " --steps 2 --seeds 0",  # one seed, 2 steps: both optimizers' smoke jobs
+    "bench.speculative": " --steps 3 --prompts 1 --new 8",  # 3 training steps, one short generation
     "bench.gpu_check": " --reps 1 --steps 1",  # its CPU dry run: 1 timed rep of each part (a bf16 step takes seconds)
 }
 

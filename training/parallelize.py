@@ -359,7 +359,8 @@ def register_zero3_external_params(model: nn.Module) -> int:
 
     hooks = [m.register_forward_hook(post) for m in twin.modules()]
     try:
-        twin(torch.arange(8, dtype=torch.long).unsqueeze(0))
+        ids = torch.arange(8, dtype=torch.long).unsqueeze(0)
+        twin(ids, **({"labels": ids} if getattr(model.config, "mtp_depth", 0) else {}))  # MTP runs with a loss
     finally:
         for h in hooks:
             h.remove()

@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from data import GlobalBatchLoader, Tokenizer, atomic_write, prepare_tokenizer
 from data.images import MEDIA_PAD, ImageRules
 from model import K3Config
+from model.k3 import K3ForCausalLM
 from training import balance, checkpoint
 from training.callbacks import CallbackList, default_callbacks, load_callback
 from training.checkpoint import safe_load
@@ -131,6 +132,8 @@ class Trainer:
         self.model.set_gradient_checkpointing(bool(t.activation_checkpointing), offload=bool(t.activation_offload))
         self.model.set_loss_tiling(int(t.loss_tile_tokens))  # tiled logits + CE: no [T, V] logits (model/loss.py)
         self.model.set_ffn_tiling(int(t.ffn_tile_tokens))  # FFN recompute over sequence tiles (model/ffn.py)
+        for lm in (m for m in self.model.modules() if isinstance(m, K3ForCausalLM)):
+            lm.mtp_weight = float(t.mtp_weight)  # loss = main + mtp_weight x mean depth CE (model/mtp.py)
         self.frozen_params = freeze(self.model, [str(g) for g in t.freeze])  # before the optimizer sees them
         groups = self.ep.param_groups(self.model, base_param_groups(cfg, self.model))
         self.reducer = self.ep.stats_reducer()
@@ -147,7 +150,7 @@ class Trainer:
         self.module = self.engine.module
         self.moe_layers = self.module.moe_layers()
         self.qk_clip = QKClip(self.module, cfg.optim.qk_clip_tau)
-        self.moe_layer_ids = [i for i in range(mcfg.num_hidden_layers) if mcfg.is_moe_layer(i)]
+        self.moe_layer_ids = [d.layer_idx for d in self.module.decoder_layers() if d.is_moe]  # MTP: L..L+D-1
 
         self.loader = GlobalBatchLoader(
             OmegaConf.to_object(cfg.data),
@@ -282,23 +285,29 @@ class Trainer:
         scale_base = self.grad_ranks * self.ga / max(1, n_global)
         loss_sum = torch.zeros((), dtype=torch.float64)
         aux_sum = torch.zeros((), dtype=torch.float64)
+        mtp_sums = torch.zeros(2 * self.mcfg.mtp_depth, dtype=torch.float64)  # per depth: CE sum, target count
         routing = balance.StepRouting()
         lr = float(self.scheduler.get_last_lr()[0]) if self.scheduler is not None else float(self.cfg.optim.lr)
         self.qk_clip.begin_step(track=self.is_log_step(self.step + 1))
         for mb in mbs:
             out = self.engine(**mb.model_inputs(self.device))
             n = mb.n_targets
-            loss_t, aux_t = out.loss, out.aux_loss
+            loss_t, aux_t, mtp_t = out.loss, out.aux_loss, out.mtp_loss
+            for k, (l_k, c_k) in enumerate(zip(out.mtp_losses or [], out.mtp_counts or [])):
+                mtp_sums[2 * k : 2 * k + 2] += torch.stack([l_k.detach().double() * c_k, c_k.double()]).cpu()
             routing.add(out.router_stats)
             del out  # its logits [B, T, V] would live through backward, the optimizer step and the next forward
             self.engine.backward(loss_t * (n * scale_base) if n > 0 else loss_t * 0.0)
             self.engine.step()
             aux = aux_t.detach().double() if aux_t is not None else None
-            loss_sum += (loss_t.detach().double() - (aux if aux is not None else 0.0)).cpu() * n
+            mtp = mtp_t.detach().double() if mtp_t is not None else 0.0
+            loss_sum += (loss_t.detach().double() - (aux if aux is not None else 0.0) - mtp).cpu() * n
             if aux is not None:
                 aux_sum += aux.cpu() / self.ga
-        totals = all_reduce_sum(torch.stack([loss_sum, aux_sum]))
+        totals = all_reduce_sum(torch.cat([torch.stack([loss_sum, aux_sum]), mtp_sums]))
         loss = float(totals[0]) / max(1, n_global)
+        mtp_metrics = {f"loss/mtp_{k + 1}": float(totals[2 + 2 * k]) / max(1.0, float(totals[3 + 2 * k]))
+                       for k in range(self.mcfg.mtp_depth)}  # fmt: skip
         skipped = self.guard.after_step(self.step + 1, self.engine.was_step_applied(), loss)
         global_stats = routing.reduce_global(self.reducer)  # collective on every rank, skipped or not
         extra = [] if skipped else balance.apply(self.moe_layers, global_stats)  # a bad step moves no bias
@@ -314,7 +323,7 @@ class Trainer:
             aux_loss=float(totals[1]) / self.world if self.mcfg.moe_balance == "aux" else None,
             counts_LE=balance.counts_LE(global_stats),
             balance_extra=extra,
-            metrics=qk,
+            metrics={**mtp_metrics, **qk},
         )
 
     # --- checkpoints --------------------------------------------------------------------------------------------

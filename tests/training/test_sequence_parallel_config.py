@@ -76,3 +76,10 @@ def test_each_sequence_rank_keeps_its_slice_with_targets_shifted_on_the_whole_st
     assert int(parts[0].targets_1N[0, -1]) == 16  # the slice's last token predicts the next slice's first
     assert sum(p.n_targets for p in parts) == int((whole != IGNORE_INDEX).sum())
     assert all(torch.equal(p.cu_seqlens, torch.tensor([0, 5, 12])) for p in parts)
+
+
+def test_mtp_with_sequence_parallelism_is_refused_in_one_line():
+    with pytest.raises(
+        TrainConfigError, match=r"^model.mtp_depth=1 with parallel.sp_size=2 is not supported yet[^\n]*$"
+    ):
+        validate(compose([*TINY, "parallel=sp2", "model.mtp_depth=1"]), 2)

@@ -66,7 +66,7 @@ def flops_breakdown(config: K3Config, seq_len: int) -> dict[str, float]:
     mla_core = float(Hm * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) * (seq_len + 1))
     sizes = attn_res_sizes(c)
     attn_res = 4.0 * d * (sum(a + m for a, m in sizes.layers) + sizes.output)
-    return {
+    out = {
         "kda_proj": 2.0 * n_kda * _kda_matmul_params(c),
         "kda_core": n_kda * kda_core,
         "mla_proj": 2.0 * n_mla * _mla_matmul_params(c),
@@ -76,6 +76,10 @@ def flops_breakdown(config: K3Config, seq_len: int) -> dict[str, float]:
         "attn_res": attn_res,
         "lm_head": 2.0 * c.vocab_size * d,
     }
+    if c.mtp_depth:  # per MTP block: eh_proj, an MLA + MoE layer and another lm_head (model/mtp.py)
+        per = 2.0 * (2 * d * d + _mla_matmul_params(c) + _moe_active_matmul_params(c) + c.vocab_size * d)
+        out["mtp"] = c.mtp_depth * (per + mla_core)
+    return out
 
 
 def matmul_params_active(config: K3Config) -> int:

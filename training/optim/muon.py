@@ -179,7 +179,7 @@ def muon_heads(name: str, shape: tuple[int, ...], mcfg) -> int | None:
     m = _LAYER.search(name)
     if mcfg is None or not _PER_HEAD.search(name) or not m:
         return None
-    t = mcfg.layer_types[int(m.group(1))]
+    t = mcfg.layer_kind(int(m.group(1)))  # MTP blocks (>= num_hidden_layers): MLA
     h = mcfg.kda_num_heads if t == "kda" else mcfg.num_attention_heads
     return h if shape[0] % h == 0 else None
 

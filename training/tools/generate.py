@@ -10,7 +10,9 @@ config.yaml; true/false to force), bench (false), contexts ("100,4000"), bench_t
 a multimodal checkpoint sees it before the prompt, as `<|media_begin|>image WxH<|media_content|>` + its
 `<|media_pad|>` tokens + `<|media_end|>`, resized by data/images.py's rule), chat (false; true: the prompt, and the
 image before it, as one user turn of K3's conversation format followed by the assistant's opening, as chat data
-trains it, e.g. experiment=vlm_smoke; generation stops at the response's `<|close|>`).
+trains it, e.g. experiment=vlm_smoke; generation stops at the response's `<|close|>`), speculative (false; true:
+greedy self-speculative decoding drafting with the model's first MTP block, model/speculative.py: the same
+tokens as plain greedy, the accepted-draft rate on stderr).
 
 Tokens stream to stdout as they are sampled; tokens/s of the decode phase goes to stderr. `bench=true` shows why
 K3 decodes at a context-independent cost: KDA carries a fixed-size state and MLA attends over a 576-value latent
@@ -33,6 +35,7 @@ from data import DataError, Tokenizer, load_tokenizer
 from data.images import MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD, ImageError, ImageRules, prepare_image
 from model import K3ForConditionalGeneration, load_hf_checkpoint
 from model.generate import generate
+from model.speculative import generate_speculative
 from training.tools.cli import ToolError, parse_args, run_tool
 from training.tools.export import load_checkpoint_model
 
@@ -53,6 +56,7 @@ DEFAULTS: dict[str, Any] = {
     "bench_tokens": 32,
     "image": None,
     "chat": False,
+    "speculative": False,
 }
 _KINDS = {
     "checkpoint": str,
@@ -271,6 +275,8 @@ def _main(argv: list[str]) -> int:
     sys.stdout.write(a["prompt"] if a["prompt"] is not None else a["prompt_ids"])
     eos = tok.eos_id if tok is not None and tok.eos_id is not None else model.config.eos_token_id
     eos = stop if stop is not None else eos
+    if a["speculative"]:
+        return _speculative(model, ids, a, tok, eos, bool(images))
     r = timed_generate(
         model,
         ids,
@@ -287,6 +293,25 @@ def _main(argv: list[str]) -> int:
     print(
         f"{r['new_tokens']} tokens, prefill {len(ids)} tokens in {r['prefill_s']:.3f} s, decode "
         f"{r['decode_tokens_per_s']:.1f} tokens/s",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _speculative(model, ids: list[int], a: dict[str, Any], tok, eos, images: bool) -> int:
+    if a["temperature"] > 0 or images or getattr(model.config, "mtp_depth", 0) < 1:
+        raise GenerateError("speculative=true needs temperature=0, no image and a checkpoint with model.mtp_depth >= 1")
+    prompt = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
+    t0 = time.perf_counter()
+    out, st = generate_speculative(model, prompt, a["max_new_tokens"], eos_token_id=eos)
+    new = out[0, len(ids) :]
+    stream = TextStream(tok)
+    for t in new:
+        stream(t[None])
+    sys.stdout.write("\n")
+    print(
+        f"{len(new)} tokens in {time.perf_counter() - t0:.3f} s, speculative: {st.accepted}/{st.drafted} drafts "
+        f"accepted ({100 * st.acceptance:.0f}%), {st.main_forwards} main forwards after the prefill",
         file=sys.stderr,
     )
     return 0

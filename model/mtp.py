@@ -1,0 +1,130 @@
+"""Multi-token prediction (DeepSeek-V3 §2.2 layout; K3 report Table 1 lists one MTP layer): `mtp_depth` = D extra
+blocks after the L decoder layers, each of the backbone's MLA + MoE shape, plain PreNorm (no AttnRes, no KDA).
+
+Depth k (1..D) at position t sees the previous depth's hidden state h_{k-1}[t] (h_0: the main model's final-normed
+output) and the embedding of token t+k, and predicts token t+1+k through the *shared* final norm and lm_head:
+
+    x_k = eh_proj([enorm(emb(token_{t+k})) ; hnorm(h_{k-1})])      # eh_proj: [D, 2D], embedding half first
+    h_k = block_k(x_k)                                             # MLA + MoE decoder layer, causal
+    logits_k = lm_head(norm(h_k))                                  # predicts token t+1+k
+
+The concatenation order (embedding first) is the released DeepSeek-V3 checkpoints' (vLLM `deepseek_mtp.py`), so
+their `eh_proj` loads as is. The blocks are `K3DecoderLayer`s at indices L..L+D-1 of `model.layers`, so their
+state-dict names are DeepSeek-V3's `model.layers.{L+k-1}.{enorm,hnorm,eh_proj,self_attn,block_sparse_moe,...}`
+without any renaming, and `moe_layers()` (router metrics, balancing, EP) includes them.
+
+Loss: main CE + `mtp_weight` x mean over depths of each depth's mean CE. Depth k's targets are the main
+(already shifted) targets moved k positions left: positions whose target lies past the end of the sequence or in
+another packed document (cu_seqlens) are -100, and -100 labels stay -100. The inputs past the end are zero
+embeddings; causal attention keeps them out of every counted position.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from model.loss import IGNORE_INDEX
+from model.norm import RMSNorm
+
+log = logging.getLogger(__name__)
+
+
+class EHProj(nn.Linear):
+    """`eh_proj` [D, 2D]: the concatenated (embedding, hidden) pair back to the model width; N(0, init_range)."""
+
+    std: float = 0.02
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.std)
+
+
+def add_mtp_inputs(layer: Any, hidden_size: int, eps: float, std: float) -> None:
+    """Give an MTP decoder layer its DeepSeek-V3 input modules `enorm`, `hnorm`, `eh_proj` (HF names)."""
+    layer.enorm = RMSNorm(hidden_size, eps)
+    layer.hnorm = RMSNorm(hidden_size, eps)
+    layer.eh_proj = EHProj(2 * hidden_size, hidden_size, bias=False)
+    layer.eh_proj.std = std
+    layer.eh_proj.reset_parameters()
+
+
+def shift_left(x_BT: torch.Tensor, k: int) -> torch.Tensor:
+    """x[:, t + k] at position t (dim 1); zeros where t + k runs past the end."""
+    out = torch.zeros_like(x_BT)
+    T = x_BT.shape[1]
+    if k < T:
+        out[:, : T - k] = x_BT[:, k:]
+    return out
+
+
+def depth_targets(targets_BT: torch.Tensor, k: int, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """Depth k's targets from the main ones (`targets[t]` = token t+1): token t+1+k at position t, -100 past the
+    end and where t and t+k lie in different packed documents."""
+    out = torch.full_like(targets_BT, IGNORE_INDEX)
+    T = targets_BT.shape[1]
+    if k >= T:
+        return out
+    out[:, : T - k] = targets_BT[:, k:]
+    if cu_seqlens is not None:
+        pos = torch.arange(T, device=targets_BT.device)
+        doc = torch.searchsorted(cu_seqlens[1:].to(pos.device, torch.long), pos, right=True)  # document of t
+        crosses = torch.ones(T, dtype=torch.bool, device=pos.device)
+        crosses[: T - k] = doc[: T - k] != doc[k:]
+        out[:, crosses] = IGNORE_INDEX
+    return out
+
+
+def mtp_block(layer: Any, h_BTD: torch.Tensor, emb_BTD: torch.Tensor, cu_seqlens=None, cache=None):
+    """One depth on aligned inputs: `h` the previous depth's hidden state, `emb` the embedding of the token to
+    condition on. Returns (h_k pre-norm, RouterStats | None)."""
+    x = layer.eh_proj(torch.cat([layer.enorm(emb_BTD), layer.hnorm(h_BTD)], dim=-1))
+    _, h, stats = layer([], x, cu_seqlens, cache)
+    return h, stats
+
+
+def mtp_losses(lm: Any, hidden_BTD: torch.Tensor, embeds_BTD: torch.Tensor | None, targets_BT, cu_seqlens=None):
+    """Per depth (mean CE, counted targets), and the MTP blocks' RouterStats, for a K3ForCausalLM `lm` whose main
+    forward gave `hidden_BTD` (final-normed) from `embeds_BTD` with (shifted) `targets_BT`."""
+    assert embeds_BTD is not None, "mtp_losses needs the input embeddings"
+    L, D = lm.config.num_hidden_layers, lm.config.mtp_depth
+    losses, stats = [], []
+    h = hidden_BTD
+    for k in range(1, D + 1):
+        h, s = mtp_block(lm.model.layers[L + k - 1], h, shift_left(embeds_BTD, k), cu_seqlens)
+        if s is not None:
+            stats.append(s)
+        loss, count, _ = lm.lm_loss(lm.model.norm(h), depth_targets(targets_BT, k, cu_seqlens))
+        losses.append((loss, count))
+    return losses, stats
+
+
+_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
+_SHARED_COPIES = ("embed_tokens.", "shared_head.")  # DeepSeek-V3 repeats the shared embedding/head per MTP layer
+
+
+def drop_unused_mtp_tensors(hf_state: dict, num_hidden_layers: int, mtp_depth: int, path: str) -> dict:
+    """The checkpoint's tensors minus MTP blocks past `mtp_depth` (a checkpoint with MTP loaded into a model with
+    fewer or none) and DeepSeek-V3's per-MTP-layer copies of the shared embedding / head; each drop is logged in
+    one line, never silent. Other keys pass through (unknown ones are load's to report)."""
+    past, copies = [], []
+    for key in hf_state:
+        m = _LAYER_KEY.match(key)
+        if m and int(m.group(1)) >= num_hidden_layers:
+            if int(m.group(1)) >= num_hidden_layers + mtp_depth:
+                past.append(key)
+            elif m.group(2).startswith(_SHARED_COPIES):
+                copies.append(key)
+    if past:
+        blocks = sorted({int(_LAYER_KEY.match(k).group(1)) for k in past})  # type: ignore[union-attr]
+        log.warning(
+            f"load_hf_checkpoint: the model has mtp_depth={mtp_depth}: dropping {len(past)} tensors of the MTP "
+            f"block(s) model.layers.{blocks} of {path}"
+        )
+    if copies:
+        log.warning(f"load_hf_checkpoint: dropping {len(copies)} per-MTP-layer copies of the shared embedding/head")
+    drop = set(past) | set(copies)
+    return {k: t for k, t in hf_state.items() if k not in drop}
