@@ -107,8 +107,8 @@ def next_shard_head(shard: SequenceShard, x_BtX: torch.Tensor, rows: int, fill: 
         )
     heads_BNrX = gather_shared(shard, x_BtX[:, :rows].contiguous())  # [B, N*rows, X], shard r's rows at r*rows
     r = shard.rank + 1
-    if r == shard.size:
-        return torch.full_like(heads_BNrX[:, :rows], fill)
+    if r == shard.size:  # still on the gathered tensor: every rank's backward must join the reduce-scatter
+        return heads_BNrX[:, :rows] * 0 + fill
     return heads_BNrX[:, r * rows : (r + 1) * rows]
 
 
