@@ -373,8 +373,6 @@ class K3ForCausalLM(nn.Module):
             raise ValueError(
                 "a sequence-sharded model takes targets, not labels: shift_targets on the whole sequence, then slice"
             )
-        if shard is not None and self.config.mtp_depth:
-            raise ValueError("MTP (mtp_depth > 0) shifts tokens across the sequence shards; use sp_size=1")
         T = input_ids.shape[1] * (shard.size if shard is not None else 1)
         if cu_seqlens is not None:
             if input_ids.shape[0] != 1:

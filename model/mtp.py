@@ -30,6 +30,7 @@ from torch import nn
 
 from model.loss import IGNORE_INDEX
 from model.norm import RMSNorm
+from model.sequence import SequenceShard, gather_shared
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +62,29 @@ def shift_left(x_BT: torch.Tensor, k: int) -> torch.Tensor:
     return out
 
 
-def depth_targets(targets_BT: torch.Tensor, k: int, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+def depth_targets(
+    targets_BT: torch.Tensor,
+    k: int,
+    cu_seqlens: torch.Tensor | None = None,
+    halo_BD: torch.Tensor | None = None,
+    start: int = 0,
+) -> torch.Tensor:
     """Depth k's targets from the main ones (`targets[t]` = token t+1): token t+1+k at position t, -100 past the
-    end and where t and t+k lie in different packed documents."""
+    end and where t and t+k lie in different packed documents. Sequence parallelism: `targets_BT` is a shard
+    starting at global position `start` (cu_seqlens the whole sequence's) and `halo_BD` the next shard's first
+    targets (-100 after the last shard)."""
     out = torch.full_like(targets_BT, IGNORE_INDEX)
     T = targets_BT.shape[1]
+    if halo_BD is not None:
+        ext = torch.cat([targets_BT, halo_BD.to(targets_BT.dtype)], dim=1)
+        n = min(T, ext.shape[1] - k)
+        out[:, :n] = ext[:, k : k + n]
+        if cu_seqlens is not None:
+            pos = torch.arange(start, start + T, device=targets_BT.device)
+            ends = cu_seqlens[1:].to(pos.device, torch.long)
+            crosses = torch.searchsorted(ends, pos, right=True) != torch.searchsorted(ends, pos + k, right=True)
+            out[:, crosses] = IGNORE_INDEX
+        return out
     if k >= T:
         return out
     out[:, : T - k] = targets_BT[:, k:]
@@ -78,6 +97,29 @@ def depth_targets(targets_BT: torch.Tensor, k: int, cu_seqlens: torch.Tensor | N
     return out
 
 
+def next_shard_head(shard: SequenceShard, x_BtX: torch.Tensor, rows: int, fill: float) -> torch.Tensor:
+    """The next sequence shard's first `rows` rows of `x` ([B, rows, X]; `fill` after the last shard), through the
+    seam's all-gather of every shard's first rows (differentiable: its backward is the reduce-scatter)."""
+    if x_BtX.shape[1] < rows:
+        raise ValueError(
+            f"MTP depth {rows} needs at least {rows} tokens per sequence shard, got {x_BtX.shape[1]}; "
+            "lower model.mtp_depth or parallel.sp_size"
+        )
+    heads_BNrX = gather_shared(shard, x_BtX[:, :rows].contiguous())  # [B, N*rows, X], shard r's rows at r*rows
+    r = shard.rank + 1
+    if r == shard.size:  # still on the gathered tensor: every rank's backward must join the reduce-scatter
+        return heads_BNrX[:, :rows] * 0 + fill
+    return heads_BNrX[:, r * rows : (r + 1) * rows]
+
+
+def _sharded_inputs(shard: SequenceShard, embeds_BTD: torch.Tensor, targets_BT: torch.Tensor, D: int):
+    """(embeddings with the next shard's first D rows appended [B, t+D, X], the next shard's first D targets)."""
+    emb_halo = next_shard_head(shard, embeds_BTD, D, 0.0)
+    # ids and -100 are exact in float64 (< 2^53), so the targets cross the same seam as the activations
+    tgt_halo = next_shard_head(shard, targets_BT.to(torch.float64).unsqueeze(-1), D, float(IGNORE_INDEX))
+    return torch.cat([embeds_BTD, emb_halo], dim=1), tgt_halo.squeeze(-1).round().to(targets_BT.dtype)
+
+
 def mtp_block(layer: Any, h_BTD: torch.Tensor, emb_BTD: torch.Tensor, cu_seqlens=None, cache=None):
     """One depth on aligned inputs: `h` the previous depth's hidden state, `emb` the embedding of the token to
     condition on. Returns (h_k pre-norm, RouterStats | None)."""
@@ -88,16 +130,27 @@ def mtp_block(layer: Any, h_BTD: torch.Tensor, emb_BTD: torch.Tensor, cu_seqlens
 
 def mtp_losses(lm: Any, hidden_BTD: torch.Tensor, embeds_BTD: torch.Tensor | None, targets_BT, cu_seqlens=None):
     """Per depth (mean CE, counted targets), and the MTP blocks' RouterStats, for a K3ForCausalLM `lm` whose main
-    forward gave `hidden_BTD` (final-normed) from `embeds_BTD` with (shifted) `targets_BT`."""
+    forward gave `hidden_BTD` (final-normed) from `embeds_BTD` with (shifted) `targets_BT`. Under sequence
+    parallelism (`lm.sequence_shard`) these are this shard's: its positions' CE mean and count, the inputs and
+    targets of its last positions taken from the next shard (`next_shard_head`)."""
     assert embeds_BTD is not None, "mtp_losses needs the input embeddings"
     L, D = lm.config.num_hidden_layers, lm.config.mtp_depth
+    shard = lm.sequence_shard
+    if shard is not None:
+        t = embeds_BTD.shape[1]
+        ext_BSD, halo_BD = _sharded_inputs(shard, embeds_BTD, targets_BT, D)
     losses, stats = [], []
     h = hidden_BTD
     for k in range(1, D + 1):
-        h, s = mtp_block(lm.model.layers[L + k - 1], h, shift_left(embeds_BTD, k), cu_seqlens)
+        if shard is None:
+            emb, tgt = shift_left(embeds_BTD, k), depth_targets(targets_BT, k, cu_seqlens)
+        else:
+            emb = ext_BSD[:, k : k + t]
+            tgt = depth_targets(targets_BT, k, cu_seqlens, halo_BD, shard.rank * t)
+        h, s = mtp_block(lm.model.layers[L + k - 1], h, emb, cu_seqlens)
         if s is not None:
             stats.append(s)
-        loss, count, _ = lm.lm_loss(lm.model.norm(h), depth_targets(targets_BT, k, cu_seqlens))
+        loss, count, _ = lm.lm_loss(lm.model.norm(h), tgt)
         losses.append((loss, count))
     return losses, stats
 

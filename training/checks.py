@@ -26,11 +26,6 @@ def check_sequence_parallel(cfg: DictConfig, mcfg: K3Config, world_size: int) ->
         raise TrainConfigError(f"parallel.sp_size must be >= 1, got {sp}")
     if sp == 1:
         return
-    if mcfg.mtp_depth:
-        raise TrainConfigError(
-            f"model.mtp_depth={mcfg.mtp_depth} with parallel.sp_size={sp} is not supported yet (MTP shifts tokens "
-            "across the sequence shards); use parallel.sp_size=1 or model.mtp_depth=0"
-        )
     if world_size % sp:
         raise TrainConfigError(
             f"parallel.sp_size={sp} must divide the world size {world_size}; change sp_size or --num_gpus"

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from model.k3 import IGNORE_INDEX, shift_targets
+from model.mtp import depth_targets
 
 
 @dataclass
@@ -32,6 +33,20 @@ class MicroBatch:
     # sequence parallelism with images: <|media_pad|> tokens of the whole stream before this rank's slice; the
     # images are the whole group's rows' (every rank of the group runs the tower on all of them)
     media_offset: int | None = None
+    # sequence parallelism with MTP: per depth k the whole micro-batch's main target count / its depth-k count
+    mtp_factors: list[float] | None = None
+
+    def objective(self, out: Any, mtp_weight: float, scale: float) -> torch.Tensor:
+        """What this rank backprops: `scale` x its target count x the model's loss (main mean + mtp_weight x the
+        mean of the depth means). Under sequence parallelism with MTP the depth means are the shard's, so the MTP
+        part is the shard's depth-k CE sums times (mtp_weight / D) x n / c_k of the whole micro-batch: the
+        shards' objectives add up to the 1-rank one (the main part already does: a sum of CE)."""
+        n = self.n_targets
+        if self.mtp_factors is None or out.mtp_loss is None:
+            return out.loss * (n * scale) if n > 0 else out.loss * 0.0
+        sums = [f * (l_k * c_k) for f, l_k, c_k in zip(self.mtp_factors, out.mtp_losses, out.mtp_counts)]
+        mtp = torch.stack(sums).sum() * (mtp_weight / len(sums))
+        return ((out.loss - out.mtp_loss) * n + mtp) * scale
 
     def model_inputs(self, device: torch.device) -> dict[str, torch.Tensor]:
         """Keyword arguments of K3ForCausalLM.forward (and K3ForConditionalGeneration's, with images)."""
@@ -48,14 +63,17 @@ class MicroBatch:
         return out
 
 
-def pack_microbatch(mb: dict[str, Any], sp_size: int = 1, sp_rank: int = 0, media_id: int | None = None) -> MicroBatch:
+def pack_microbatch(
+    mb: dict[str, Any], sp_size: int = 1, sp_rank: int = 0, media_id: int | None = None, mtp_depth: int = 0
+) -> MicroBatch:
     """[b, T] rows -> one packed [1, b*T] stream with cu_seqlens. The model masks cross-document targets itself
     (`shift_targets`); the same function counts them here, before the forward, for the loss weights.
 
     `sp_size` > 1: the rows are the sequence-parallel group's, and this rank keeps tokens [r*N/S, (r+1)*N/S) with
     their targets, shifted on the whole stream (the last token of a slice predicts the next slice's first), and
     all the rows' images with the count of `media_id` tokens before its slice (`media_offset`): image features are
-    computed before the split, on every rank of the group, and each rank scatters the ones its slice holds."""
+    computed before the split, on every rank of the group, and each rank scatters the ones its slice holds; with
+    `mtp_depth` the whole stream's n / c_k per MTP depth (`MicroBatch.objective`)."""
     ids_1N = mb["input_ids"].reshape(1, -1).long()
     labels_1N = mb["labels"].reshape(1, -1).long()
     cu = torch.as_tensor(mb["cu_seqlens"], dtype=torch.int64)
@@ -68,7 +86,11 @@ def pack_microbatch(mb: dict[str, Any], sp_size: int = 1, sp_rank: int = 0, medi
     local_1n = targets_1N[:, mine]
     pixels, grids = mb.get("pixel_values"), mb.get("grid_thws")
     offset = int(ids_1N[:, : mine.start].eq(media_id).sum()) if pixels is not None and media_id is not None else None
-    return MicroBatch(ids_1N[:, mine], None, cu, int((local_1n != IGNORE_INDEX).sum()), local_1n, pixels, grids, offset)
+    whole = int((targets_1N != IGNORE_INDEX).sum())
+    counts = [int((depth_targets(targets_1N, k, cu) != IGNORE_INDEX).sum()) for k in range(1, mtp_depth + 1)]
+    factors = [whole / c if c else 0.0 for c in counts] if mtp_depth else None
+    n_mine = int((local_1n != IGNORE_INDEX).sum())
+    return MicroBatch(ids_1N[:, mine], None, cu, n_mine, local_1n, pixels, grids, offset, factors)
 
 
 @dataclass

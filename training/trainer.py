@@ -276,7 +276,7 @@ class Trainer:
 
     # --- one optimizer step -------------------------------------------------------------------------------------
     def train_step(self) -> StepResult:
-        sp = (self.ep.sp_size, self.ep.sp_rank, self.mcfg.media_placeholder_token_id)
+        sp = (self.ep.sp_size, self.ep.sp_rank, self.mcfg.media_placeholder_token_id, self.mcfg.mtp_depth)
         mbs = [pack_microbatch(self.loader.next_microbatch(), *sp) for _ in range(self.ga)]
         local = torch.tensor(
             [sum(m.n_targets for m in mbs), sum(int(m.ids_1N.numel()) for m in mbs)], dtype=torch.float64
@@ -296,8 +296,9 @@ class Trainer:
             for k, (l_k, c_k) in enumerate(zip(out.mtp_losses or [], out.mtp_counts or [])):
                 mtp_sums[2 * k : 2 * k + 2] += torch.stack([l_k.detach().double() * c_k, c_k.double()]).cpu()
             routing.add(out.router_stats)
+            objective = mb.objective(out, float(self.cfg.train.mtp_weight), scale_base)
             del out  # its logits [B, T, V] would live through backward, the optimizer step and the next forward
-            self.engine.backward(loss_t * (n * scale_base) if n > 0 else loss_t * 0.0)
+            self.engine.backward(objective)
             self.engine.step()
             aux = aux_t.detach().double() if aux_t is not None else None
             mtp = mtp_t.detach().double() if mtp_t is not None else 0.0

@@ -1,8 +1,10 @@
 """Every rank runs the tiny K3 in float64 twice on one packed sequence: whole (the reference) and sequence-sharded
 through training/parallel/ulysses.py (its T/N tokens, the head all-to-alls). Rank 0 writes the largest differences
-(logits of each shard, loss, every parameter gradient summed over the ranks) to the JSON path given.
+(logits of each shard, loss, every parameter gradient summed over the ranks) to the JSON path given. With an MTP
+depth D (optional 4th argument) the model has D MTP blocks and the backward is the trainer's objective
+(training/step.py `MicroBatch.objective`); "mtp" is then the largest difference of a depth's CE sum.
 
-    deepspeed --no_local_rank --num_gpus 2 tests/distributed/sequence_shard_worker.py <out.json> <T> <doc lengths>
+    deepspeed --no_local_rank --num_gpus 2 tests/distributed/sequence_shard_worker.py <out.json> <T> <doc lengths> [D]
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch.distributed as dist  # noqa: E402
 from model import K3Config, K3ForCausalLM  # noqa: E402
 from model.k3 import shift_targets  # noqa: E402
 from training.parallel.ulysses import ulysses_shard  # noqa: E402
+from training.step import pack_microbatch  # noqa: E402
 
 
 def main() -> None:
@@ -32,7 +35,8 @@ def main() -> None:
     deepspeed.init_distributed("gloo")
     shard, _ = ulysses_shard(dist.get_world_size())
     torch.manual_seed(0)
-    cfg = K3Config.preset("tiny")
+    depth = int(sys.argv[4]) if len(sys.argv) > 4 else 0
+    cfg = K3Config.preset("tiny", mtp_depth=depth)
     ref = K3ForCausalLM(cfg).double()
     sharded = copy.deepcopy(ref)
     sharded.set_sequence_shard(shard)
@@ -47,13 +51,25 @@ def main() -> None:
     mine = slice(shard.rank * t, (shard.rank + 1) * t)
     targets = shift_targets(ids, cu)[:, mine]
     sout = sharded(ids[:, mine], cu_seqlens=cu, targets=targets)
-    (sout.loss * sout.num_loss_tokens).backward()
-    loss_sum = (sout.loss * sout.num_loss_tokens).detach().clone()
+    if depth:  # the trainer's objective, scale 1
+        mb = pack_microbatch({"input_ids": ids, "labels": ids, "cu_seqlens": cu}, shard.size, shard.rank, None, depth)
+        assert torch.equal(mb.targets_1N, targets)
+        mb.objective(sout, sharded.mtp_weight, 1.0).backward()
+        loss_sum = ((sout.loss - sout.mtp_loss) * sout.num_loss_tokens).detach().clone()
+        ref_sum = (out.loss - out.mtp_loss) * out.num_loss_tokens
+    else:
+        (sout.loss * sout.num_loss_tokens).backward()
+        loss_sum, ref_sum = (sout.loss * sout.num_loss_tokens).detach().clone(), out.loss * out.num_loss_tokens
     dist.all_reduce(loss_sum)
     diffs = {
         "logits": float((sout.logits - out.logits[:, mine]).detach().abs().max()),
-        "loss_sum": float((loss_sum - out.loss * out.num_loss_tokens).abs()),
+        "loss_sum": float((loss_sum - ref_sum).abs()),
     }
+    for k in range(depth):  # per depth: the shards' CE sums and counts add up to the whole sequence's
+        sums = torch.stack([sout.mtp_losses[k] * sout.mtp_counts[k], sout.mtp_counts[k].double()]).detach()
+        dist.all_reduce(sums)
+        want = torch.stack([out.mtp_losses[k] * out.mtp_counts[k], out.mtp_counts[k].double()]).detach()
+        diffs["mtp"] = max(diffs.get("mtp", 0.0), float((sums - want).abs().max()))
     grad_diff, grad_scale = 0.0, 0.0
     for p, q in zip(ref.parameters(), sharded.parameters()):
         g = q.grad if q.grad is not None else torch.zeros_like(q)

@@ -143,13 +143,25 @@ def test_sp2_kill_and_resume_give_the_uninterrupted_losses_bitwise(jobs):
     assert _metric(jobs["resumed"], "loss") == _metric(jobs["sp2_ep2"], "loss")
 
 
-def test_the_model_seam_matches_the_whole_sequence_in_float64(tmp_path):
+def _seam_diffs(tmp_path, *extra: str) -> dict:
     """2 ranks, 256 tokens as documents 37, 100, 3, 61, 55 (one spans the shard edge at 128)."""
     out = tmp_path / "diffs.json"
-    args = [str(out), "256", "37,100,3,61,55"]
+    args = [str(out), "256", "37,100,3,61,55", *extra]
     cmd = launch_command(args, 2, "tests/distributed/sequence_shard_worker.py")
     p = subprocess.run(cmd, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
-    d = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_the_model_seam_matches_the_whole_sequence_in_float64(tmp_path):
+    d = _seam_diffs(tmp_path)
     assert d["logits"] < 1e-10 and d["loss_sum"] < 1e-9
+    assert d["grad"] < 1e-11 * d["grad_scale"], d
+
+
+def test_mtp_depth_2_under_the_seam_matches_the_whole_sequence_in_float64(tmp_path):
+    """The D-row halo (model/mtp.py) and the trainer's objective (MicroBatch.objective): depth CE sums, the main
+    loss and every gradient summed over the ranks equal the whole sequence's."""
+    d = _seam_diffs(tmp_path, "2")
+    assert d["logits"] < 1e-10 and d["loss_sum"] < 1e-9 and d["mtp"] < 1e-9
     assert d["grad"] < 1e-11 * d["grad_scale"], d

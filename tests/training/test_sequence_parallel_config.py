@@ -78,8 +78,14 @@ def test_each_sequence_rank_keeps_its_slice_with_targets_shifted_on_the_whole_st
     assert all(torch.equal(p.cu_seqlens, torch.tensor([0, 5, 12])) for p in parts)
 
 
-def test_mtp_with_sequence_parallelism_is_refused_in_one_line():
-    with pytest.raises(
-        TrainConfigError, match=r"^model.mtp_depth=1 with parallel.sp_size=2 is not supported yet[^\n]*$"
-    ):
-        validate(compose([*TINY, "parallel=sp2", "model.mtp_depth=1"]), 2)
+def test_sequence_parallel_pieces_carry_the_whole_streams_mtp_factors():
+    """MTP under SP (training/step.py MicroBatch.objective): every shard gets n / c_k of the whole stream."""
+    from model.mtp import depth_targets
+
+    ids = torch.arange(10, 22).view(2, 6)
+    mb = {"input_ids": ids, "labels": ids, "cu_seqlens": torch.tensor([0, 5, 12])}
+    whole = shift_targets(ids.reshape(1, -1), torch.tensor([0, 5, 12]))
+    n = int((whole != IGNORE_INDEX).sum())
+    want = [n / int((depth_targets(whole, k, mb["cu_seqlens"]) != IGNORE_INDEX).sum()) for k in (1, 2)]
+    assert want == [10 / 8, 10 / 6]
+    assert [pack_microbatch(mb, 2, r, None, 2).mtp_factors for r in range(2)] == [want, want]
