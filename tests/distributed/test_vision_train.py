@@ -5,15 +5,27 @@ within 1e-5 (losses and grad norms):
   zero2   2 ranks, EP=2 + ZeRO-2 (at step 2 rank 0's row has no image, rank 1's has: the idle tower)
   zero3   2 ranks, EP=2 + ZeRO-3: the tower partitioned like the text model (training/parallel/construct.py)
   sp2     2 ranks, parallel=sp2 (the tower on all the rows' images on both ranks, each rank scatters its slice's)
-and `kill -9` of the zero3 job after step 3 + `checkpoint.resume=auto` reproduces its losses bitwise."""
+and `kill -9` of the zero3 job after step 3 + `checkpoint.resume=auto` reproduces its losses bitwise. `training.export`
+of the zero3 run holds the trained tower (the 1-process run's, exported through zero_to_fp32); `frozen`, 2 steps of
+the zero3 layout with train.freeze=[vision_tower,mm_projector], keeps no optimizer state for them and exports them
+bitwise as initialised."""
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
+from omegaconf import OmegaConf
 
+from model import K3Config
+from model.hf import VISION_PREFIXES, read_hf_state
+from model.params import build_meta
 from tests.distributed.conftest import must_succeed, run_training
+from training.checkpoint import resolve_checkpoint
+from training.checkpoint.safe_load import safe_torch_load
+from training.parallel.construct import _vision_values
+from training.tools.export import export_checkpoint
 
 pytestmark = pytest.mark.distributed
 STEPS, KILL_AT = 4, 3
@@ -39,11 +51,17 @@ ZERO3 = [
     "train.grad_accum=1",
     "checkpoint.every=2",
 ]
+FROZEN = [o for o in ZERO3 if not o.startswith("train.steps=")] + [
+    "train.steps=2",
+    "train.freeze=[vision_tower,mm_projector]",
+]
+ONE = [o for o in VLM if o != "checkpoint.save_final=false"] + ["checkpoint.save_final=true", "train.grad_accum=2"]
 JOBS = {
     "zero2": ([*VLM, "parallel=ep2", "deepspeed=zero2", "train.grad_accum=1"], 2, None),
     "zero3": (ZERO3, 2, None),
     "sp2": ([*VLM, "parallel=sp2", "train.grad_accum=2"], 2, None),
-    "one": ([*VLM, "train.grad_accum=2"], 1, None),
+    "one": (ONE, 1, None),  # its final checkpoint: the reference weights of the export test
+    "frozen": (FROZEN, 2, None),
     "killed": (ZERO3, 2, {"K3_FAULT_KILL_AT_STEP": str(KILL_AT)}),
 }
 
@@ -86,3 +104,48 @@ def test_metrics_count_images_and_their_token_fraction(vlm_runs):
     rec = [r for r in vlm_runs["zero2"].metrics if "loss" in r][-1]
     assert rec["data/images"] >= STEPS  # (1, 1, 1 and 2 images in the 4 steps' global batches)
     assert 0 < rec["data/image_token_fraction"] < 1
+
+
+@pytest.fixture(scope="module")
+def exported(vlm_runs, tmp_path_factory):
+    """job -> {name: tensor} of `training.export` of its newest checkpoint (release names), each exported once."""
+    done: dict[str, dict[str, torch.Tensor]] = {}
+
+    def get(job: str) -> dict[str, torch.Tensor]:
+        if job not in done:
+            out = export_checkpoint(str(vlm_runs[job].run_dir), str(tmp_path_factory.mktemp(f"export_{job}")))
+            done[job] = {k: v for k, v in read_hf_state(out, vision=True).items() if k.startswith(VISION_PREFIXES)}
+        return done[job]
+
+    return get
+
+
+def test_zero3_export_holds_the_trained_vision_weights(exported):
+    got, ref = exported("zero3"), exported("one")  # both after step 4; the reference through zero_to_fp32
+    assert ref and sorted(got) == sorted(ref)
+    for k, t in ref.items():
+        torch.testing.assert_close(got[k], t, rtol=0, atol=1e-5, msg=k)
+
+
+def vision_init(run, params_only: bool = False) -> dict[str, torch.Tensor]:
+    """The seed-initialised tower + projector of `run` (training/parallel/construct.py, same for every layout)."""
+    config = K3Config.from_hf_config(resolve_checkpoint(str(run)))
+    seed = int(OmegaConf.load(run / "config.yaml").train.seed)
+    model = _vision_values(build_meta(config), config, seed, None)
+    state = dict(model.named_parameters()) if params_only else model.state_dict()
+    return {k: v for k, v in state.items() if k.startswith(VISION_PREFIXES)}
+
+
+def test_frozen_zero3_tower_has_no_optimizer_state(vlm_runs):
+    run = vlm_runs["frozen"].run_dir
+    states = safe_torch_load(f"{resolve_checkpoint(str(run))}/zero_pp_rank_0_mp_rank_00_model_states.pt")
+    managed = {k for group in states["param_shapes"] for k in group}  # what the ZeRO-3 optimizer partitions
+    assert managed and not any(k.startswith(VISION_PREFIXES) for k in managed)
+    assert sorted(states["frozen_param_shapes"]) == sorted(vision_init(run, params_only=True))
+
+
+def test_frozen_zero3_tower_exports_bitwise_as_initialised(vlm_runs, exported):
+    init, got = vision_init(vlm_runs["frozen"].run_dir), exported("frozen")
+    assert init and sorted(got) == sorted(init)
+    for k, t in got.items():
+        assert torch.equal(t, init[k]), k

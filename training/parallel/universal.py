@@ -98,6 +98,27 @@ def consolidated_state_dict(tag_dir: str) -> dict[str, torch.Tensor]:
             out[name] = t.view(shapes[name])
     for name in saved.get("buffer_names") or []:
         out[name] = saved["module"][name]
+    out.update({k: v for k, v in frozen_params(tag_dir).items() if k not in out})
+    return out
+
+
+def frozen_params(tag_dir: str) -> dict[str, torch.Tensor]:
+    """The whole tensors of the parameters no optimizer owns (`train.freeze`) in a ZeRO-3 checkpoint.
+
+    ds_to_universal converts only the optimizer's fp32 partitions, so a frozen tower would be missing from (or,
+    frozen whole, silently dropped by) an export. DeepSpeed's contract (engine `_common_checkpoint_state` with
+    ZeRO >= 2): each rank's model-states file holds `frozen_param_shapes` (the full shapes) and
+    `frozen_param_fragments` (its `ds_tensor`, the 1/W partition over the data-parallel group, padded); the whole
+    tensor is the ranks' fragments concatenated in rank order, cut to numel (zero_to_fp32
+    `_zero3_merge_frozen_params`, which refuses AutoEP checkpoints)."""
+    files = glob.glob(os.path.join(tag_dir, "zero_pp_rank_*_mp_rank_00_model_states.pt"))
+    files.sort(key=lambda f: int(os.path.basename(f).split("_")[3]))  # zero_pp_rank_<dp rank>_mp_rank_00_...
+    states = [safe_torch_load(f) for f in files]
+    shapes = (states[0].get("frozen_param_shapes") or {}) if states else {}
+    out = {}
+    for name, shape in shapes.items():
+        frags = [s["frozen_param_fragments"][name].reshape(-1) for s in states]
+        out[name] = torch.cat(frags).narrow(0, 0, torch.Size(shape).numel()).view(tuple(shape)).clone()
     return out
 
 

@@ -48,7 +48,14 @@ def consolidated_state_dict(tag_dir: str) -> dict[str, torch.Tensor]:
     if glob.glob(os.path.join(tag_dir, "*zero_pp_rank_*optim_states.pt")):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        return dict(get_fp32_state_dict_from_zero_checkpoint(root, tag=tag))
+        out = dict(get_fp32_state_dict_from_zero_checkpoint(root, tag=tag))
+        # ZeRO-1 saves no frozen_param_fragments (engine: only when partitioning gradients), so zero_to_fp32 drops
+        # frozen parameters (train.freeze); below ZeRO-3 the model-states module is whole: take them from there
+        whole = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
+        if os.path.isfile(whole):
+            module = torch.load(whole, map_location="cpu", weights_only=True)["module"]  # (verified above)
+            out.update({k: v for k, v in module.items() if k not in out})
+        return out
     files = sorted(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt")))
     if not files:
         raise FileNotFoundError(f"{tag_dir} holds no DeepSpeed model states; is it a checkpoint step dir?")
