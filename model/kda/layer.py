@@ -16,6 +16,7 @@ from torch import nn
 
 from model.config import K3Config
 from model.kda.ops import chunk_kda, recurrent_kda
+from model.kda.tiled import tiled_chunk_kda
 from model.norm import RMSNorm, upcast
 from model.sequence import SequenceShard, head_slice
 
@@ -116,6 +117,7 @@ class KDA(nn.Module):
         self.o_norm = RMSNorm(K, eps=config.rms_norm_eps)
         self.o_proj = nn.Linear(P, d, bias=False)
         self.sequence_shard: SequenceShard | None = None  # set by sequence parallelism (model/sequence.py)
+        self.tile_tokens = 0  # > 0 (training): the chunked core over recomputed tiles (model/kda/tiled.py)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -216,6 +218,13 @@ class KDA(nn.Module):
                 initial_state=initial_state,
                 output_final_state=cache is not None,
                 cu_seqlens=cu_seqlens,
+            )
+        elif self.tile_tokens > 0 and cache is None and self.training and torch.is_grad_enabled():
+            o_BTHV, state = (
+                tiled_chunk_kda(
+                    q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, self.tile_tokens, cu_seqlens, self.chunk_size
+                ),
+                None,
             )
         else:
             o_BTHV, state = chunk_kda(
