@@ -35,6 +35,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 GB = 1e9
 TILE = 1024
+MIXER_TILE = 1024  # train.mixer_tile_tokens of the budget's tiled mode (model/kda/tiled.py)
 
 
 def _peak(fn) -> tuple[float, Any]:
@@ -91,6 +92,7 @@ def child(part: str, seq: int, tiled: bool) -> dict[str, Any]:
         model.set_gradient_checkpointing(part != "plain")
         model.set_loss_tiling(TILE if tiled else 0)
         model.set_ffn_tiling(TILE if tiled else 0)
+        model.set_mixer_tiling(MIXER_TILE if tiled and os.environ.get("K3_LONG_CONTEXT_MIXER", "1") == "1" else 0)
         ids = torch.randint(0, cfg.vocab_size, (1, seq), generator=g)
 
         def run():
