@@ -63,7 +63,7 @@ def test_mixer_tiling_keeps_less_for_backward():
             layer(rand_x(1, 256, dtype=torch.float32).requires_grad_())
         return n
 
-    assert saved(32) < 0.85 * saved(0)  # 0.80 measured: the chunk tensors of all but one tile
+    assert saved(32) < 0.6 * saved(0)  # 0.47 measured: inputs + boundary states, no conv or chunk tensors
 
 
 def test_set_mixer_tiling_refuses_a_tile_off_the_chunk_grid():
