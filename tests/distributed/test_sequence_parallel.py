@@ -144,9 +144,10 @@ def test_sp2_kill_and_resume_give_the_uninterrupted_losses_bitwise(jobs):
 
 
 def test_the_model_seam_matches_the_whole_sequence_in_float64(tmp_path):
-    """2 ranks, 256 tokens as documents 37, 100, 3, 61, 55 (one spans the shard edge at 128)."""
+    """2 ranks, 256 tokens as documents 37, 100, 3, 61, 55 (one spans the shard edge at 128); the sharded model
+    runs its KDA mixers over tiles of 64 of the whole sequence (documents cross the tile edges)."""
     out = tmp_path / "diffs.json"
-    args = [str(out), "256", "37,100,3,61,55"]
+    args = [str(out), "256", "37,100,3,61,55", "64"]  # the sharded side with mixer tiles of 64 (issue 24)
     cmd = launch_command(args, 2, "tests/distributed/sequence_shard_worker.py")
     p = subprocess.run(cmd, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
