@@ -71,3 +71,23 @@ def test_set_mixer_tiling_refuses_a_tile_off_the_chunk_grid():
 
     with pytest.raises(ValueError, match="multiple of kda_chunk_size"):
         random_model().set_mixer_tiling(7)
+
+
+def test_mixer_tiling_inside_checkpointed_layers_gives_the_untiled_model_gradients_in_float64():
+    """The micro model (chunk 16), activation checkpointing on, packed documents 0-21-50 over tiles of 16."""
+    from tests.model.test_k3 import random_model
+
+    ids = torch.randint(0, 61, (1, 50), generator=torch.Generator().manual_seed(3))
+    cu = torch.tensor([0, 21, 50])
+    res = []
+    for tile in (0, 16):
+        m = random_model().train()
+        m.set_gradient_checkpointing(True)
+        m.set_mixer_tiling(tile)
+        loss = m(ids, labels=ids, cu_seqlens=cu).loss
+        loss.backward()
+        res.append((loss.detach(), [p.grad for p in m.parameters() if p.grad is not None]))
+    torch.testing.assert_close(res[1][0], res[0][0], rtol=0, atol=1e-12)
+    assert len(res[1][1]) == len(res[0][1])
+    for a, b in zip(res[1][1], res[0][1]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
