@@ -75,8 +75,9 @@ def kda_elements(c: K3Config, seq_len: int, mixer_tile: int = 0) -> tuple[float,
     [C, K]-sized tensors plus the strips of the sub-block decay factors, 3 block-lower [C, C] matrices whose
     upper blocks are not stored, beta, states S [K, V] at every chunk boundary; the exact form keeps a [C, C, K]
     factor instead), the per-head output norm and gate. Chunk tensors cover the padded length ceil(T/C)*C.
-    `mixer_tile` > 0 (train.mixer_tile_tokens, model/kda/tiled.py): the chunk tensors of one tile only, plus one
-    boundary state [K, V] per head and tile (the tile inputs are the L2 norms, beta and decay counted here anyway)."""
+    `mixer_tile` > 0 (train.mixer_tile_tokens, model/kda/tiled.py): the chunk tensors, conv inputs/outputs and L2
+    norms of one tile only, plus one boundary state [K, V] per head and tile (the tiles keep the pre-conv q, k, v
+    projections, beta and decay, counted here anyway)."""
     d, H, K, C, W = c.hidden_size, c.kda_num_heads, c.kda_head_dim, c.kda_chunk_size, c.kda_conv_size
     P = H * K
     N = -(-seq_len // C)
@@ -93,6 +94,10 @@ def kda_elements(c: K3Config, seq_len: int, mixer_tile: int = 0) -> tuple[float,
         chunk = (core + H) + H * K * K * (mixer_tile // C + 1) / mixer_tile  # one tile's share, per tile token
         chunk = chunk * mixer_tile / seq_len + H * K * K * n_tiles / seq_len
     f = 2 * (P + H) + H + 2 * P + chunk + (2 * P * pad + H) + 2 * P
+    if 0 < mixer_tile < seq_len:  # the conv inputs (padded) and outputs, and the L2 norms, live in one tile too
+        keep = 1 - mixer_tile / seq_len
+        a -= (6 * P + 3 * P * (W - 1) / seq_len) * keep
+        f -= 2 * (P + H) * keep
     return a, f
 
 
