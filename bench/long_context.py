@@ -35,6 +35,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 GB = 1e9
 TILE = 1024
+MIXER_TILE = 1024  # train.mixer_tile_tokens of the budget's tiled mode (model/kda/tiled.py)
 
 
 def _peak(fn) -> tuple[float, Any]:
@@ -91,6 +92,7 @@ def child(part: str, seq: int, tiled: bool) -> dict[str, Any]:
         model.set_gradient_checkpointing(part != "plain")
         model.set_loss_tiling(TILE if tiled else 0)
         model.set_ffn_tiling(TILE if tiled else 0)
+        model.set_mixer_tiling(MIXER_TILE if tiled and os.environ.get("K3_LONG_CONTEXT_MIXER", "1") == "1" else 0)
         ids = torch.randint(0, cfg.vocab_size, (1, seq), generator=g)
 
         def run():
@@ -187,32 +189,51 @@ def _sp_case(seq: int, sp: int, env: dict[str, str], tmp: str) -> list[dict[str,
     ]
 
 
-def _step_peak(part: str, seq: int, tiled: bool, env: dict[str, str], tmp: str) -> float:
-    env = dict(env, K3_LONG_CONTEXT_GRADS=f"{tmp}/budget")
+def _step_peak(part: str, seq: int, tiled: bool, env: dict[str, str], tmp: str, mixer: bool = True) -> float:
+    env = dict(env, K3_LONG_CONTEXT_GRADS=f"{tmp}/budget", K3_LONG_CONTEXT_MIXER=str(int(mixer)))
     cmd = [sys.executable, "-m", "bench.long_context", "--child", part, str(seq), str(int(tiled))]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=True)
     return float(json.loads(p.stdout.strip().splitlines()[-1])["peak_GB"])
 
 
-def _budget(budget: float, env: dict[str, str], tmp: str) -> dict[str, Any]:
-    """The longest sequence (multiple of 1024) whose step peak stays inside `budget` GB, per memory mode."""
-    modes = {"plain": ("plain", False), "checkpointing": ("step", False), "checkpointing+tiling": ("step", True)}
+BUDGET_MODES = {  # name: (child part, loss + FFN tiling, mixer tiling)
+    "plain": ("plain", False, False),
+    "checkpointing": ("step", False, False),
+    "checkpointing+tiling": ("step", True, False),
+    "checkpointing+tiling+mixer": ("step", True, True),
+}
+
+
+def _budget(budget: float, env: dict[str, str], tmp: str, names: list[str], old: dict | None) -> dict[str, Any]:
+    """The longest sequence (multiple of 1024) whose step peak stays inside `budget` GB, per memory mode in
+    `names` (the other modes keep their numbers from `old`, the last results at the same budget)."""
+    keep = old["modes"] if old and old.get("budget_GB") == budget else {}
     out: dict[str, Any] = {"budget_GB": budget, "modes": {}}
-    for name, (part, tiled) in modes.items():
-        p2, p4 = (_step_peak(part, t, tiled, env, tmp) for t in (2048, 4096))
+    for name, (part, tiled, mixer) in BUDGET_MODES.items():
+        if name not in names:
+            if name in keep:
+                out["modes"][name] = keep[name]
+            continue
+        p2, p4 = (_step_peak(part, t, tiled, env, tmp, mixer) for t in (2048, 4096))
         per_token = (p4 - p2) / 2048
         seq = max(1024, int((budget - (p2 - per_token * 2048)) / per_token) // 1024 * 1024)
-        while (peak := _step_peak(part, seq, tiled, env, tmp)) > budget and seq > 1024:
+        while (peak := _step_peak(part, seq, tiled, env, tmp, mixer)) > budget and seq > 1024:
             seq -= 1024
         out["modes"][name] = {"peak_2k_GB": p2, "peak_4k_GB": p4, "longest_seq": seq, "peak_GB": peak}
         print(name, out["modes"][name], flush=True)
     base = out["modes"]["plain"]["longest_seq"]
     for m in out["modes"].values():
         m["vs_plain"] = m["longest_seq"] / base
-    out["tiling_vs_checkpointing"] = (
-        out["modes"]["checkpointing+tiling"]["longest_seq"] / out["modes"]["checkpointing"]["longest_seq"]
-    )
+    best = max(m["longest_seq"] for m in out["modes"].values())
+    out["tiling_vs_checkpointing"] = best / out["modes"]["checkpointing"]["longest_seq"]
     return out
+
+
+def _old_results() -> dict[str, Any]:
+    from bench.common import RESULTS_DIR
+
+    path = RESULTS_DIR / "long_context.json"
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -222,6 +243,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--sp-steps", nargs="*", type=int, default=[], help="tokens of SP=1 / SP=2 engine steps (slow)")
     ap.add_argument("--sp", nargs="*", type=int, default=[1, 2], help="SP sizes of --sp-steps (ranks)")
     ap.add_argument("--budget", type=float, default=0.0, help="GB: the longest sequence inside it, per mode")
+    ap.add_argument("--budget-modes", nargs="*", default=list(BUDGET_MODES), choices=list(BUDGET_MODES))
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     ap.add_argument("--sp-child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -254,17 +276,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for sp in args.sp:
                 rows += _sp_case(seq, sp, env, tmp)
                 print(rows[-1], flush=True)
-        budget = _budget(args.budget, env, tmp) if args.budget > 0 else None
+        old_budget = _old_results().get("budget")
+        budget = _budget(args.budget, env, tmp, args.budget_modes, old_budget) if args.budget > 0 else None
     print_table(
         f"peak memory over forward + backward, untiled vs tiled ({TILE}-token tiles), tiny, per rank, fp32",
         rows,
         ["part", "seq_len", "sp_size", "rank", "untiled_GB", "tiled_GB", "ratio", "loss_rel_diff", "grad_rel_diff"],
     )
     # rows (and a budget) of cases not run now keep their last numbers in the results file
-    from bench.common import RESULTS_DIR
-
-    old_path = RESULTS_DIR / "long_context.json"
-    old = json.loads(old_path.read_text()) if old_path.exists() else {}
+    old = _old_results()
     key = lambda r: (r["part"], r["seq_len"], r.get("sp_size", 1), r.get("rank", 0))  # noqa: E731
     new = {key(r) for r in rows}
     rows = [r for r in old.get("rows", []) if key(r) not in new] + rows

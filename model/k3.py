@@ -344,6 +344,16 @@ class K3ForCausalLM(nn.Module):
             if isinstance(m, SiTUGLU):
                 m.tile_rows = int(tokens)
 
+    def set_mixer_tiling(self, tokens: int) -> None:
+        """`tokens` > 0: every KDA mixer runs its chunked core over tiles of `tokens` (a multiple of the chunk size),
+        each recomputed on its own in backward (model/kda/tiled.py); 0: off."""
+        C = self.config.kda_chunk_size
+        if tokens < 0 or tokens % C:
+            raise ValueError(f"mixer tiling needs tokens >= 0 and a multiple of kda_chunk_size={C}, got {tokens}")
+        for m in self.modules():
+            if isinstance(m, KDA):
+                m.tile_tokens = int(tokens)
+
     def set_gradient_checkpointing(self, enabled: bool = True, offload: bool = False) -> None:
         """Checkpoint every decoder layer; `offload`: its saved inputs in host memory (model/offload.py)."""
         for layer in self.decoder_layers():

@@ -160,6 +160,7 @@ class TrainSection:
     activation_offload: bool = False  # the checkpointed layer inputs live in host memory (model/offload.py)
     loss_tile_tokens: int = 0  # > 0: tiled logits + CE, this many tokens of logits at a time (model/loss.py)
     ffn_tile_tokens: int = 0  # > 0: dense FFN / shared experts recompute over tiles of this many tokens (model/ffn.py)
+    mixer_tile_tokens: int = 0  # > 0: KDA chunked core over recomputed tiles of this many tokens (model/kda/tiled.py)
     max_bad_steps: int = 5  # stop (with a checkpoint) after this many consecutive non-finite steps; 0 = never
     loss_on: LossOn = LossOn.assistant  # which tokens of chat sources carry loss
     mtp_weight: float = 0.3  # loss = main + mtp_weight x mean of the model.mtp_depth MTP depths' CE (model/mtp.py)
@@ -407,6 +408,12 @@ def validate(cfg: DictConfig, world_size: int) -> K3Config:
     )
     for key in ("loss_tile_tokens", "ffn_tile_tokens"):
         need(t[key] >= 0, f"train.{key} must be >= 0 (0 = untiled), got {t[key]}")
+    C = mcfg.kda_chunk_size
+    need(
+        t.mixer_tile_tokens >= 0 and t.mixer_tile_tokens % C == 0,
+        f"train.mixer_tile_tokens must be >= 0 (0 = untiled) and a multiple of kda_chunk_size={C}, got "
+        f"{t.mixer_tile_tokens}",
+    )
     need(t.mtp_weight >= 0, f"train.mtp_weight must be >= 0 (DeepSeek-V3: 0.3, then 0.1), got {t.mtp_weight}")
     need(t.max_bad_steps >= 0, f"train.max_bad_steps must be >= 0 (0 = never stop), got {t.max_bad_steps}")
     vision = sorted({str(g) for g in t.freeze} & {"vision_tower", "mm_projector"})

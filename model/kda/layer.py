@@ -15,11 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.config import K3Config
+from model.kda.conv import causal_depthwise_conv, l2_normalize
 from model.kda.ops import chunk_kda, recurrent_kda
+from model.kda.tiled import tiled_kda_mixer
 from model.norm import RMSNorm, upcast
 from model.sequence import SequenceShard, head_slice
-
-L2_EPS = 1e-6  # q, k <- x / sqrt(||x||^2 + 1e-6) per head (fla's l2norm)
 
 
 @dataclass
@@ -33,40 +33,6 @@ class KDACache:
     recurrent_state: torch.Tensor | None = None
     conv_state: dict[str, torch.Tensor] = field(default_factory=dict)
     seen_tokens: int = 0
-
-
-def l2_normalize(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
-    """x / sqrt(||x||^2 + eps) over the last dim, in (at least) fp32."""
-    x32 = upcast(x)
-    return x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) + eps)
-
-
-def causal_depthwise_conv(
-    u_BTP: torch.Tensor,
-    weight_PW: torch.Tensor,
-    prefix_BWP: torch.Tensor | None = None,
-    segment_start_T: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """y_t[c] = sum_j w[c, j] u_{t-W+1+j}[c], zeros (or `prefix`, the W-1 inputs before t=0) before the start.
-
-    `segment_start_T` (packed documents): the first position of each token's document; taps reaching before it
-    read zeros, so the conv never sees the previous document. Computed in (at least) fp32.
-    """
-    B, T, P = u_BTP.shape
-    W = weight_PW.shape[-1]
-    u = upcast(u_BTP)
-    w = upcast(weight_PW).to(u.dtype)
-    if prefix_BWP is None:
-        prefix_BWP = u.new_zeros(B, W - 1, P)
-    full = torch.cat([prefix_BWP.to(u.dtype), u], dim=1)  # [B, W-1+T, P]
-    y = u * w[:, W - 1]
-    pos_T = torch.arange(T, device=u.device)
-    for s in range(1, W):  # tap W-1-s reads the input s steps back
-        tap_BTP = full[:, W - 1 - s : W - 1 - s + T]
-        if segment_start_T is not None:
-            tap_BTP = tap_BTP * (pos_T - s >= segment_start_T).to(u.dtype)[None, :, None]
-        y = y + tap_BTP * w[:, W - 1 - s]
-    return y
 
 
 def segment_starts(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
@@ -116,6 +82,7 @@ class KDA(nn.Module):
         self.o_norm = RMSNorm(K, eps=config.rms_norm_eps)
         self.o_proj = nn.Linear(P, d, bias=False)
         self.sequence_shard: SequenceShard | None = None  # set by sequence parallelism (model/sequence.py)
+        self.tile_tokens = 0  # > 0 (training): the chunked core over recomputed tiles (model/kda/tiled.py)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -187,10 +154,14 @@ class KDA(nn.Module):
         def whole_sequence(x_BtHX: torch.Tensor) -> torch.Tensor:  # [B, t, H, X] -> [B, T, h, X]
             return shard.to_head_shard(x_BtHX) if shard is not None else x_BtHX
 
-        convs = {}
+        tiled = self.tile_tokens > 0 and cache is None and self.training and torch.is_grad_enabled()
+        convs, pre = {}, {}
         for name in ("q", "k", "v"):
             u_BTP = whole_sequence(getattr(self, f"{name}_proj")(x_BTD).view(B, t, H, K)).reshape(B, T, h * K)
             weight_PW = getattr(self, f"{name}_conv1d").weight[heads.start * K : heads.stop * K, 0]
+            if tiled:  # the conv runs inside the tiles (model/kda/tiled.py)
+                pre[name] = (u_BTP, weight_PW)
+                continue
             prefix = cache.conv_state.get(name) if cache is not None else None
             convs[name] = F.silu(causal_depthwise_conv(u_BTP, weight_PW, prefix, seg_T))
             if cache is not None:
@@ -199,12 +170,19 @@ class KDA(nn.Module):
                     dim=1,
                 )
                 cache.conv_state[name] = hist[:, hist.shape[1] - (self.conv_size - 1) :].detach()
-        q_BTHK = l2_normalize(convs["q"].view(B, T, h, K))
-        k_BTHK = l2_normalize(convs["k"].view(B, T, h, K))
-        v_BTHV = convs["v"].view(B, T, h, K)
         beta_BTH = whole_sequence(torch.sigmoid(upcast(self.b_proj(x_BTD))).unsqueeze(-1)).squeeze(-1)
         g_BTHK = whole_sequence(self.decay(x_BTD))
 
+        if tiled:
+            us, ws = [pre[n][0] for n in "qkv"], [pre[n][1] for n in "qkv"]
+            shape = (h, K)
+            o_BTHV = tiled_kda_mixer(
+                us, ws, g_BTHK, beta_BTH, self.tile_tokens, shape, cu_seqlens, seg_T, self.chunk_size
+            )
+            return self._output(x_BTD, o_BTHV.to(x_BTD.dtype), shard, B, t)
+        q_BTHK = l2_normalize(convs["q"].view(B, T, h, K))
+        k_BTHK = l2_normalize(convs["k"].view(B, T, h, K))
+        v_BTHV = convs["v"].view(B, T, h, K)
         initial_state = cache.recurrent_state if cache is not None else None
         if T == 1 and cache is not None:  # a decode step
             o_BTHV, state = recurrent_kda(
@@ -234,6 +212,11 @@ class KDA(nn.Module):
             cache.recurrent_state = state.detach()
             cache.seen_tokens += T
 
+        return self._output(x_BTD, o_BTHV, shard, B, t)
+
+    def _output(self, x_BTD, o_BTHV, shard, B: int, t: int) -> torch.Tensor:
+        """Back to this rank's tokens, per-head output norm, output gate, o_proj."""
+        H, K = self.num_heads, self.head_dim
         if shard is not None:
             o_BTHV = shard.to_token_shard(o_BTHV)  # [B, T, h, V] -> [B, t, H, V]
         o_BTHV = self.o_norm(o_BTHV)  # per-head RMSNorm, weight [K] shared by heads (fp32 here)

@@ -40,6 +40,8 @@ def main() -> None:
     ref = K3ForCausalLM(cfg).double()
     sharded = copy.deepcopy(ref)
     sharded.set_sequence_shard(shard)
+    if len(sys.argv) > 5:  # train.mixer_tile_tokens on the sharded side only (model/kda/tiled.py)
+        sharded.set_mixer_tiling(int(sys.argv[5]))
     ids = torch.randint(0, cfg.vocab_size, (1, T), generator=torch.Generator().manual_seed(1))
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
     assert int(cu[-1]) == T, f"doc lengths sum to {int(cu[-1])}, not T={T}"

@@ -144,7 +144,8 @@ def test_sp2_kill_and_resume_give_the_uninterrupted_losses_bitwise(jobs):
 
 
 def _seam_diffs(tmp_path, *extra: str) -> dict:
-    """2 ranks, 256 tokens as documents 37, 100, 3, 61, 55 (one spans the shard edge at 128)."""
+    """2 ranks, 256 tokens as documents 37, 100, 3, 61, 55 (one spans the shard edge at 128); `extra`: the MTP
+    depth, then the sharded side's KDA mixer tile (train.mixer_tile_tokens)."""
     out = tmp_path / "diffs.json"
     args = [str(out), "256", "37,100,3,61,55", *extra]
     cmd = launch_command(args, 2, "tests/distributed/sequence_shard_worker.py")
@@ -154,7 +155,9 @@ def _seam_diffs(tmp_path, *extra: str) -> dict:
 
 
 def test_the_model_seam_matches_the_whole_sequence_in_float64(tmp_path):
-    d = _seam_diffs(tmp_path)
+    """The sharded model runs its KDA mixers over tiles of 64 of the whole sequence (documents cross the tile
+    edges)."""
+    d = _seam_diffs(tmp_path, "0", "64")
     assert d["logits"] < 1e-10 and d["loss_sum"] < 1e-9
     assert d["grad"] < 1e-11 * d["grad_scale"], d
 

@@ -90,3 +90,11 @@ def test_k3_256k_fine_tuning_on_256_h200_fits_with_tiling_and_the_trainer_accept
     over = [a for a in K3_2_20 if not a.startswith(("parallel.sp_size", "train.seq_len"))]
     config, layout, hw, _, warnings = from_overrides([*over, "parallel.sp_size=8", "train.seq_len=262144", *TILED])
     assert plan(config, layout, hw)["fits"]["gpu"] and warnings == []
+
+
+def test_mixer_tiling_lowers_the_one_layer_recompute_and_is_a_no_op_past_the_sequence():
+    """K3 at 32k tokens per GPU, FFN tiled: the KDA layer's chunk tensors for one 1024-token tile instead of 32k."""
+    c = K3Config.preset("k3")
+    peak = lambda tile: activation_bytes(c, 1, 32768, 2, True, ffn_tile=1024, mixer_tile=tile)["recompute_peak"]  # noqa: E731
+    assert peak(1024) < 0.7 * peak(0)
+    assert peak(32768) == pytest.approx(peak(0))

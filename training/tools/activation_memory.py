@@ -69,12 +69,15 @@ def kda_sub_blocks(c: K3Config) -> int:
     return C // S if S else C  # unbounded gates: the exact [C, C, K] form, C times the memory
 
 
-def kda_elements(c: K3Config, seq_len: int) -> tuple[float, float]:
+def kda_elements(c: K3Config, seq_len: int, mixer_tile: int = 0) -> tuple[float, float]:
     """KDA layer incl. its input x. A: projections, conv in/out (padded by W-1), f_a output, o_proj input.
     F (fp32 inside the kernel): L2 norms, beta, decay, the chunked core (model/kda/chunk.py saves per chunk 9
     [C, K]-sized tensors plus the strips of the sub-block decay factors, 3 block-lower [C, C] matrices whose
     upper blocks are not stored, beta, states S [K, V] at every chunk boundary; the exact form keeps a [C, C, K]
-    factor instead), the per-head output norm and gate. Chunk tensors cover the padded length ceil(T/C)*C."""
+    factor instead), the per-head output norm and gate. Chunk tensors cover the padded length ceil(T/C)*C.
+    `mixer_tile` > 0 (train.mixer_tile_tokens, model/kda/tiled.py): the chunk tensors, conv inputs/outputs and L2
+    norms of one tile only, plus one boundary state [K, V] per head and tile (the tiles keep the pre-conv q, k, v
+    projections, beta and decay, counted here anyway)."""
     d, H, K, C, W = c.hidden_size, c.kda_num_heads, c.kda_head_dim, c.kda_chunk_size, c.kda_conv_size
     P = H * K
     N = -(-seq_len // C)
@@ -86,7 +89,15 @@ def kda_elements(c: K3Config, seq_len: int) -> tuple[float, float]:
     else:  # strips below the diagonal sub-blocks; block-lower C x C matrices
         core = (9 + sum(1 - b / n_s for b in range(n_s - 1))) * P + 3 * H * C * (n_s + 1) / (2 * n_s)
     chunk = (core + H) * pad + H * K * K * (N + 1) / seq_len
+    if 0 < mixer_tile < seq_len:
+        n_tiles = -(-seq_len // mixer_tile)
+        chunk = (core + H) + H * K * K * (mixer_tile // C + 1) / mixer_tile  # one tile's share, per tile token
+        chunk = chunk * mixer_tile / seq_len + H * K * K * n_tiles / seq_len
     f = 2 * (P + H) + H + 2 * P + chunk + (2 * P * pad + H) + 2 * P
+    if 0 < mixer_tile < seq_len:  # the conv inputs (padded) and outputs, and the L2 norms, live in one tile too
+        keep = 1 - mixer_tile / seq_len
+        a -= (6 * P + 3 * P * (W - 1) / seq_len) * keep
+        f -= 2 * (P + H) * keep
     return a, f
 
 
@@ -96,10 +107,16 @@ def attn_res_elements(n_candidates: int) -> float:
 
 
 def activation_elements(
-    c: K3Config, seq_len: int, attention: str = "flash", tile_frac: float = 1.0, loss_tiled: bool = False
+    c: K3Config,
+    seq_len: int,
+    attention: str = "flash",
+    tile_frac: float = 1.0,
+    loss_tiled: bool = False,
+    mixer_tile: int = 0,
 ) -> dict[str, tuple[float, float]]:
     """(A, F) elements per token by component, without activation checkpointing; `tile_frac`: the FFN tiling's
-    share of tokens holding intermediates, `loss_tiled`: no logits kept (model/loss.py)."""
+    share of tokens holding intermediates, `loss_tiled`: no logits kept (model/loss.py), `mixer_tile`: the KDA
+    core's tile (model/kda/tiled.py)."""
     d = c.hidden_size
     types = c.layer_types
     comp: dict[str, list[float]] = {
@@ -115,7 +132,7 @@ def activation_elements(
     for i in range(c.num_hidden_layers):
         add(
             "kda" if types[i] == "kda" else "mla",
-            kda_elements(c, seq_len) if types[i] == "kda" else mla_elements(c, seq_len, attention),
+            kda_elements(c, seq_len, mixer_tile) if types[i] == "kda" else mla_elements(c, seq_len, attention),
         )
         add(
             "moe" if c.is_moe_layer(i) else "dense_ffn",
@@ -170,11 +187,13 @@ def activation_bytes(
     ffn_tile: int = 0,
     loss_tile: int = 0,
     offload: bool = False,
+    mixer_tile: int = 0,
 ) -> dict[str, float]:
     """Bytes kept for backward by one micro-batch [micro_batch, seq_len], by component, plus `total`; with
     `sp_size` > 1 one sequence-parallel rank's share (its micro_batch * seq_len / sp_size tokens). `ffn_tile`,
     `loss_tile`: train.ffn_tile_tokens / loss_tile_tokens; `offload` (train.activation_offload, with
-    checkpointing): the layer inputs live in host memory, reported as `host_layer_inputs` outside `total`.
+    checkpointing): the layer inputs live in host memory, reported as `host_layer_inputs` outside `total`;
+    `mixer_tile`: train.mixer_tile_tokens (the KDA core over recomputed tiles).
 
     With per-decoder-layer checkpointing only each layer's inputs stay (the new partial sum, d per token per layer;
     completed AttnRes blocks are shared) plus embedding and head/loss, and backward recomputes one layer at a time:
@@ -182,7 +201,7 @@ def activation_bytes(
     """
     tokens = micro_batch * seq_len / sp_size
     frac = min(1.0, ffn_tile / tokens) if ffn_tile > 0 else 1.0
-    el = activation_elements(c, seq_len, attention, frac, loss_tile > 0)
+    el = activation_elements(c, seq_len, attention, frac, loss_tile > 0, mixer_tile)
     if sp_size > 1:
         el["sequence_parallel"] = sequence_parallel_extra(c, sp_size)
     b = {k: tokens * (a * act_bytes + f * 4) for k, (a, f) in el.items()}
@@ -190,7 +209,7 @@ def activation_bytes(
         L = c.num_hidden_layers
         per_layer = []
         for i, kind in enumerate(c.layer_types):
-            mix = kda_elements(c, seq_len) if kind == "kda" else mla_elements(c, seq_len, attention)
+            mix = kda_elements(c, seq_len, mixer_tile) if kind == "kda" else mla_elements(c, seq_len, attention)
             ffn = moe_elements(c, frac) if c.is_moe_layer(i) else glu_elements(c.hidden_size, c.intermediate_size, frac)
             per_layer.append(tokens * ((mix[0] + ffn[0]) * act_bytes + (mix[1] + ffn[1]) * 4))
         kept = {

@@ -64,6 +64,7 @@ class Layout:
     activation_offload: bool = False  # checkpointed layer inputs in host memory (model/offload.py)
     loss_tile_tokens: int = 0  # tiled logits + CE (model/loss.py)
     ffn_tile_tokens: int = 0  # dense FFN / shared experts over sequence tiles (model/ffn.py)
+    mixer_tile_tokens: int = 0  # KDA core over recomputed tiles (model/kda/tiled.py)
     precision: str = "bf16"  # bf16 | fp32
     reduce_bucket_size: int = DeepSpeedSection.reduce_bucket_size
     overlap_comm: bool = False
@@ -235,9 +236,8 @@ def plan(
         gpu["comm_buckets"] = min(g_local, ZERO0_ALLREDUCE_ELEMENTS) * per["grads"] if W > 1 else 0.0
     act_b = 2 if layout.precision == "bf16" else 4
     mb, T, tiles = layout.micro_batch_size, layout.seq_len, (layout.ffn_tile_tokens, layout.loss_tile_tokens)
-    acts = activation_bytes(
-        config, mb, T, act_b, layout.activation_checkpointing, hw.attention, sp, *tiles, layout.activation_offload
-    )
+    ckpt, off, mixer = layout.activation_checkpointing, layout.activation_offload, layout.mixer_tile_tokens
+    acts = activation_bytes(config, mb, T, act_b, ckpt, hw.attention, sp, *tiles, off, mixer_tile=mixer)
     gpu["activations"] = acts["total"]
     cpu_per_gpu += acts.get("host_layer_inputs", 0.0)
     gpu["loss_backward"] = loss_backward_bytes(config, mb, T, act_b, sp, layout.loss_tile_tokens)
@@ -389,6 +389,7 @@ def from_overrides(argv: Sequence[str]) -> tuple[Any, Layout, Hardware, dict[str
         activation_offload=bool(cfg.train.activation_offload),
         loss_tile_tokens=int(cfg.train.loss_tile_tokens),
         ffn_tile_tokens=int(cfg.train.ffn_tile_tokens),
+        mixer_tile_tokens=int(cfg.train.mixer_tile_tokens),
         precision=precision,
         reduce_bucket_size=int(cfg.deepspeed.reduce_bucket_size),
         overlap_comm=bool(cfg.deepspeed.overlap_comm),
