@@ -55,6 +55,9 @@ class K3ForConditionalGeneration(nn.Module):
     def set_ffn_tiling(self, tokens: int) -> None:
         self.language_model.set_ffn_tiling(tokens)
 
+    def set_mixer_tiling(self, tokens: int) -> None:
+        self.language_model.set_mixer_tiling(tokens)
+
     # --- images -------------------------------------------------------------------------------------------------
     def image_features(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> torch.Tensor:
         """Packed patches [N, 3, p, p] + grid_thws [n, 3] -> LM-width features [M, d], images in order."""

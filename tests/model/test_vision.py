@@ -253,16 +253,18 @@ def test_image_positions_are_never_targets():
 
 
 def test_the_trainers_switches_reach_the_text_model_inside():
-    """Checkpointing (with host offload), loss tiling and FFN tiling set on the multimodal model are set on its
+    """Checkpointing (with host offload), loss, FFN and KDA mixer tiling set on the multimodal model are set on its
     K3ForCausalLM (the trainer calls them on whatever model it built)."""
     mm = K3ForConditionalGeneration(micro_mm_config())
     mm.set_gradient_checkpointing(True, offload=True)
     mm.set_loss_tiling(16)
     mm.set_ffn_tiling(8)
+    mm.set_mixer_tiling(2 * mm.config.kda_chunk_size)
     lm = mm.language_model
     assert all(layer.gradient_checkpointing and layer.checkpoint_offload for layer in lm.decoder_layers())
     assert lm.lm_head.tile_rows == 16
     assert {m.tile_rows for m in lm.modules() if hasattr(m, "tile_rows") and m is not lm.lm_head} == {8}
+    assert {m.tile_tokens for m in lm.modules() if hasattr(m, "tile_tokens")} == {2 * mm.config.kda_chunk_size}
 
 
 def test_sequence_slices_scatter_their_share_of_the_features():
