@@ -52,6 +52,7 @@ def _tile(us, ws, g, beta, S0, a: int, seg_T, cu_local, scale, chunk_size, shape
         cu_seqlens=cu,
         chunk_size=chunk_size,
     )
+    assert S is not None  # output_final_state=True
     return o, S if cu is None else S[-1:]
 
 
