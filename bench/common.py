@@ -90,6 +90,21 @@ def peak_matmul_flops(
     return 2 * n**3 / t.median
 
 
+def rank_job_env() -> dict[str, str]:
+    """The environment of a bench's launcher job whose ranks report their heap peaks: CPU accelerator, one thread
+    a rank, this checkout first on the path, no inherited RANK, and a fixed 128 KiB mmap threshold (glibc then
+    returns every large block on free, so the heap tracks live tensors)."""
+    env = dict(
+        os.environ,
+        DS_ACCELERATOR="cpu",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(Path(__file__).resolve().parent.parent),
+        MALLOC_MMAP_THRESHOLD_=os.environ.get("MALLOC_MMAP_THRESHOLD_", "131072"),
+    )
+    env.pop("RANK", None)
+    return env
+
+
 def machine_info() -> dict[str, Any]:
     """What the numbers were measured on."""
     return {

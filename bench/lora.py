@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -141,16 +140,10 @@ def planned_gb(preset: str, seq: int, mode: str, base: str) -> float:
 
 def measure(preset: str, seq: int, modes: list[str], steps: int, workdir: Path) -> list[dict]:
     """Run every mode's 2-rank job; one row per (mode, rank)."""
+    from bench.common import rank_job_env
     from training.launch import launch_command
 
-    env = dict(
-        os.environ,
-        DS_ACCELERATOR="cpu",
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=str(ROOT),
-        MALLOC_MMAP_THRESHOLD_=os.environ.get("MALLOC_MMAP_THRESHOLD_", "131072"),
-    )
-    env.pop("RANK", None)
+    env = rank_job_env()
     base = workdir / f"{preset}-base"
     if not base.exists():
         make_base(preset, base)

@@ -120,16 +120,10 @@ def runtime_heap(preset: str, seq: int, env: dict[str, str]) -> float:
 
 def measure(cases: list[str], layouts: list[str], overrides: list[str], tmp: str) -> list[dict]:
     """Per-rank rows of every case x layout: the measured peak tensors against the planner's total."""
+    from bench.common import rank_job_env
     from training.launch import launch_command
 
-    env = dict(
-        os.environ,
-        DS_ACCELERATOR="cpu",
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=str(ROOT),
-        MALLOC_MMAP_THRESHOLD_=os.environ.get("MALLOC_MMAP_THRESHOLD_", "131072"),
-    )
-    env.pop("RANK", None)
+    env = rank_job_env()
     rows = []
     for case in cases:
         preset, _, seq = case.partition(":")
