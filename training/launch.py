@@ -2,8 +2,15 @@
 
 The deepspeed launcher's default master port is 29500 for every job, so two jobs on one machine (two smoke runs,
 two `make test`, a sweep beside a test) collide in torch.distributed's rendezvous: the second job's ranks join the
-first job's store, or its launcher dies with "address already in use". Here a job gets a port the OS reports free
-on the master host unless the caller names one (MASTER_PORT / --master_port), so launches never share one.
+first job's store, or its launcher dies with "address already in use". Here a job gets a free port on the master
+host unless the caller names one (MASTER_PORT / --master_port), so launches never share one.
+
+A port that is free when chosen must stay free for the seconds until rank 0's store binds it (after its imports).
+The OS's choice for a bind to port 0 does not: it comes from the ephemeral range, where every outgoing connection
+(gloo's pair sockets of the jobs already running, among others) takes ports too, and one took a chosen port in a
+measured suite run (EADDRINUSE in the store). So the port comes from below that range (`ip_local_port_range`),
+where the kernel never hands out ports by itself, and is reserved for a minute in a file under the temp dir, so two
+launches on this machine never pick the same one while neither has bound it yet.
 
     python -m training.launch experiment=smoke run_dir=runs/smoke     # NUM_RANKS (2) local ranks
     HOSTFILE=launch/hostfile.example GPUS_PER_NODE=8 python -m training.launch model=small   # multi-node
@@ -15,22 +22,98 @@ host), MASTER_PORT (default: a free one on the master host). Arguments are Hydra
 from __future__ import annotations
 
 import os
+import random
+import shlex
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 TRAIN_SCRIPT = str(Path(__file__).resolve().with_name("train.py"))
-# A bind to port 0 on every interface: the OS picks a port no socket on this host holds (what the store will bind).
-_PROBE = "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"
+LOWEST_PORT = 20000  # chosen ports lie in [LOWEST_PORT, the ephemeral range's start): clear of well-known services
+RESERVE_S = 60.0  # how long a chosen port stays reserved for its launch (rank 0 binds it within seconds)
+RESERVATIONS = Path(tempfile.gettempdir()) / "k3-train-ports"
 
 
-def free_port() -> int:
-    """A TCP port no socket on this machine holds now (the OS's choice for a bind to port 0)."""
+def ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel hands out by itself (outgoing connections, binds to port 0)."""
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def candidate_ports() -> range:
+    """Where launches choose: below the ephemeral range, or above it when it starts too low to leave room."""
+    lo, hi = ephemeral_range()
+    if lo - LOWEST_PORT >= 1000:
+        return range(LOWEST_PORT, lo)
+    if 65535 - hi >= 1000:
+        return range(hi + 1, 65536)
+    return range(LOWEST_PORT, 65536)  # the kernel hands out (nearly) every port: no range is clear of it
+
+
+def port_is_free(port: int) -> bool:
+    """Whether a listening socket could bind `port` on every interface now (what rank 0's store will do)."""
     with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def reserve(port: int, now: float | None = None) -> bool:
+    """Claim `port` for RESERVE_S seconds among this machine's launches (an exclusively created file; a stale
+    claim is taken over). True: ours. Without a writable temp dir every free port counts as ours."""
+    now = time.time() if now is None else now
+    path = RESERVATIONS / str(port)
+    try:
+        RESERVATIONS.mkdir(mode=0o1777, exist_ok=True)
+        try:
+            if now - path.stat().st_mtime < RESERVE_S:
+                return False  # another launch chose it a moment ago and may not have bound it yet
+            path.unlink()
+        except FileNotFoundError:
+            pass
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+        os.utime(path, (now, now))
+    except FileExistsError:
+        return False  # another launch won the race for it
+    except OSError:
+        return True
+    return True
+
+
+def free_port(tries: int = 200) -> int:
+    """A TCP port no socket on this machine holds, outside the kernel's ephemeral range, reserved for this
+    launch (see the module docstring)."""
+    ports = candidate_ports()
+    for _ in range(tries):
+        port = random.SystemRandom().choice(ports)  # not `random`: jobs seed it alike, and would choose alike
+        if port_is_free(port) and reserve(port):
+            return port
+    raise SystemExit(f"error: no free port in {ports.start}-{ports.stop - 1} after {tries} tries; set MASTER_PORT")
+
+
+# Run on a remote master host over ssh: a free port there below its ephemeral range (no reservation file: this
+# launch is the only chooser that host's ranks hear of).
+_PROBE = f"""
+import random, socket
+lo = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+for port in random.sample(range({LOWEST_PORT}, max(lo, {LOWEST_PORT} + 1000)), 200):
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            continue
+    print(port)
+    break
+"""
 
 
 def first_host(hostfile: str) -> str:
@@ -57,7 +140,7 @@ def free_port_on(host: str) -> int:
     """A free port on the master host: locally, or over the ssh the deepspeed launcher itself uses for its nodes."""
     if is_this_machine(host):
         return free_port()
-    cmd = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", host, "python3", "-c", f'"{_PROBE}"']
+    cmd = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", host, f"python3 -c {shlex.quote(_PROBE)}"]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=True).stdout
         return int(out.strip().splitlines()[-1])

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+import training.launch as launch
 from tests.distributed.conftest import REPO, job_env, read_metrics
-from training.launch import first_host, launch_command
+from training.launch import candidate_ports, ephemeral_range, first_host, free_port, launch_command, reserve
 
 DEFAULT_PORT = 29500
 
@@ -24,6 +25,38 @@ def test_a_launch_gets_a_port_nothing_holds():
     cmd = launch_command(["experiment=smoke"], 2)
     with socket.socket() as s:
         s.bind(("", _port(cmd)))  # raises if the port were held
+
+
+def test_chosen_ports_lie_outside_the_kernels_ephemeral_range():
+    """The kernel never hands a chosen port to an outgoing connection (gloo's pair sockets) before rank 0 binds it."""
+    lo, hi = ephemeral_range()
+    ports = [free_port() for _ in range(20)]
+    assert all(p in candidate_ports() and not lo <= p <= hi for p in ports), (lo, hi, ports)
+
+
+def test_a_chosen_port_is_reserved_for_a_minute_then_free_to_take_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(launch, "RESERVATIONS", tmp_path / "ports")
+    assert reserve(23456, now=1000.0)
+    assert not reserve(23456, now=1000.0 + launch.RESERVE_S - 1)  # another launch, before rank 0 bound it
+    assert reserve(23456, now=1000.0 + launch.RESERVE_S + 1)  # a stale claim is taken over
+
+
+def test_launches_never_choose_a_port_another_launch_reserved(tmp_path, monkeypatch):
+    monkeypatch.setattr(launch, "RESERVATIONS", tmp_path / "ports")
+    monkeypatch.setattr(launch, "candidate_ports", lambda: range(24000, 24040))
+    ports = [free_port() for _ in range(30)]
+    assert len(set(ports)) == 30
+
+
+def test_a_port_held_by_a_listener_is_never_chosen(tmp_path, monkeypatch):
+    monkeypatch.setattr(launch, "RESERVATIONS", tmp_path / "ports")
+    with socket.socket() as held:
+        held.bind(("", free_port()))
+        held.listen()
+        port = held.getsockname()[1]
+        monkeypatch.setattr(launch, "candidate_ports", lambda: range(port, port + 1))
+        with pytest.raises(SystemExit, match=f"no free port in {port}-{port}.*set MASTER_PORT"):
+            free_port(tries=5)
 
 
 def test_a_given_master_port_is_used_as_given():
