@@ -1,10 +1,13 @@
 """Every rank runs the tiny K3 in float64 twice on one packed sequence: whole (the reference) and sequence-sharded
 through training/parallel/ulysses.py (its T/N tokens, the head all-to-alls). Rank 0 writes the largest differences
-(logits of each shard, loss, every parameter gradient summed over the ranks) to the JSON path given. With an MTP
-depth D (optional 4th argument) the model has D MTP blocks and the backward is the trainer's objective
-(training/step.py `MicroBatch.objective`); "mtp" is then the largest difference of a depth's CE sum.
+(logits of each shard, loss, every parameter gradient summed over the ranks) to the JSON path given, one entry per
+variant `D:W`: an MTP depth D (the model has D MTP blocks and the backward is the trainer's objective,
+training/step.py `MicroBatch.objective`; "mtp" is then the largest difference of a depth's CE sum) and a KDA mixer
+tile W on the sharded side (train.mixer_tile_tokens, model/kda/tiled.py; 0: untiled). The variants share one launch
+(a launch costs ~10 CPU-s of start-up on the 2-core CI machine, the float64 model a fraction of that).
 
-    deepspeed --no_local_rank --num_gpus 2 tests/distributed/sequence_shard_worker.py <out.json> <T> <doc lengths> [D]
+    deepspeed --no_local_rank --num_gpus 2 tests/distributed/sequence_shard_worker.py <out.json> <T> <doc lengths> \\
+        <D:W>[,<D:W>...]
 """
 
 from __future__ import annotations
@@ -33,15 +36,20 @@ def main() -> None:
     # again after each switch of virtualenv: the build cache is shared), gloo alone
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed("gloo")
+    out = {v: seam_diffs(T, lengths, *(int(x) for x in v.split(":"))) for v in sys.argv[4].split(",")}
+    if dist.get_rank() == 0:
+        Path(out_path).write_text(json.dumps(out))
+
+
+def seam_diffs(T: int, lengths: list[int], depth: int, mixer_tile: int) -> dict[str, float]:
+    """The largest differences of the sharded model (MTP depth `depth`, mixer tile `mixer_tile`) from the whole."""
     shard, _ = ulysses_shard(dist.get_world_size())
     torch.manual_seed(0)
-    depth = int(sys.argv[4]) if len(sys.argv) > 4 else 0
     cfg = K3Config.preset("tiny", mtp_depth=depth)
     ref = K3ForCausalLM(cfg).double()
     sharded = copy.deepcopy(ref)
     sharded.set_sequence_shard(shard)
-    if len(sys.argv) > 5:  # train.mixer_tile_tokens on the sharded side only (model/kda/tiled.py)
-        sharded.set_mixer_tiling(int(sys.argv[5]))
+    sharded.set_mixer_tiling(mixer_tile)  # on the sharded side only
     ids = torch.randint(0, cfg.vocab_size, (1, T), generator=torch.Generator().manual_seed(1))
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
     assert int(cu[-1]) == T, f"doc lengths sum to {int(cu[-1])}, not T={T}"
@@ -79,8 +87,7 @@ def main() -> None:
         grad_diff = max(grad_diff, float((g - p.grad).abs().max()) if p.grad is not None else float(g.abs().max()))
         grad_scale = max(grad_scale, float(p.grad.abs().max()) if p.grad is not None else 0.0)
     diffs["grad"], diffs["grad_scale"] = grad_diff, grad_scale
-    if dist.get_rank() == 0:
-        Path(out_path).write_text(json.dumps(diffs))
+    return diffs
 
 
 if __name__ == "__main__":

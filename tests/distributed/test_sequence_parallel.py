@@ -143,28 +143,30 @@ def test_sp2_kill_and_resume_give_the_uninterrupted_losses_bitwise(jobs):
     assert _metric(jobs["resumed"], "loss") == _metric(jobs["sp2_ep2"], "loss")
 
 
-def _seam_diffs(tmp_path, *extra: str) -> dict:
-    """2 ranks, 256 tokens as documents 37, 100, 3, 61, 55 (one spans the shard edge at 128); `extra`: the MTP
-    depth, then the sharded side's KDA mixer tile (train.mixer_tile_tokens)."""
-    out = tmp_path / "diffs.json"
-    args = [str(out), "256", "37,100,3,61,55", *extra]
+@pytest.fixture(scope="module")
+def seam(runs_root) -> dict[str, dict]:
+    """2 ranks, 256 tokens as documents 37, 100, 3, 61, 55 (one spans the shard edge at 128), two variants in one
+    launch (`depth:mixer tile` of the sharded side): tiles of 64, and MTP depth 2 untiled."""
+    out = runs_root / "seam" / "diffs.json"
+    out.parent.mkdir(parents=True)
+    args = [str(out), "256", "37,100,3,61,55", "0:64,2:0"]
     cmd = launch_command(args, 2, "tests/distributed/sequence_shard_worker.py")
     p = subprocess.run(cmd, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(out.read_text())
 
 
-def test_the_model_seam_matches_the_whole_sequence_in_float64(tmp_path):
+def test_the_model_seam_matches_the_whole_sequence_in_float64(seam):
     """The sharded model runs its KDA mixers over tiles of 64 of the whole sequence (documents cross the tile
     edges)."""
-    d = _seam_diffs(tmp_path, "0", "64")
+    d = seam["0:64"]
     assert d["logits"] < 1e-10 and d["loss_sum"] < 1e-9
     assert d["grad"] < 1e-11 * d["grad_scale"], d
 
 
-def test_mtp_depth_2_under_the_seam_matches_the_whole_sequence_in_float64(tmp_path):
+def test_mtp_depth_2_under_the_seam_matches_the_whole_sequence_in_float64(seam):
     """The D-row halo (model/mtp.py) and the trainer's objective (MicroBatch.objective): depth CE sums, the main
     loss and every gradient summed over the ranks equal the whole sequence's."""
-    d = _seam_diffs(tmp_path, "2")
+    d = seam["2:0"]
     assert d["logits"] < 1e-10 and d["loss_sum"] < 1e-9 and d["mtp"] < 1e-9
     assert d["grad"] < 1e-11 * d["grad_scale"], d
