@@ -49,8 +49,8 @@ EXEMPT = {
 
 TRAIN = " train.steps=2 checkpoint.every=0 logging.mode=disabled"
 BENCH_TINY = {
-    "bench.kda": " --quick --chunk-sizes 64 --reps 1 --loop-reps 1",
-    "bench.moe": " --quick --reps 1",
+    "bench.kda": " --T 256 --chunk-sizes 64 --reps 1 --loop-reps 1",  # (--quick would force T 2048 and 3 reps)
+    "bench.moe": " --quick --reps 1 --tokens 128 --experts 8",
     "bench.moe_ep": " --quick --reps 1",
     "bench.vision": " --quick --reps 1",
     "bench.train": " --cases tiny:64 --reps 1",
