@@ -67,34 +67,34 @@ SHARED = {
     "real_run": ("training/test_report.py", "training/test_generate_cli.py"),
     "data-fixtures": ("data/",),  # corpus, tokenizers (tests/data/conftest.py)
 }
-# Units start in this order, the longest first (seconds of `pytest --durations` on an idle 2-core machine, both
-# workers busy, 2026-12-04), so the two workers end together: a unit not listed starts after these, in collection
-# order (all of them are short).
+# Units start in this order, the longest first (seconds of `pytest --durations` in a fresh clone on an idle 2-core
+# machine, both workers busy, 2026-12-05), so the two workers end together: a unit not listed starts after these, in
+# collection order (all of them are short).
 FIRST = (
-    "test_documented_commands.py",  # 240
-    "ep2_ref",  # 173 + 67
-    "ref_run",  # 70 + 60 + 47
-    "distributed/test_sequence_parallel.py",  # 160 + 19
-    "distributed/test_vision_train.py",  # 119 (6 launches, 5 at once; 2026-12-04, under the heavy-job lock)
-    "distributed/test_zero3_ep.py",  # 92 + 5
-    "distributed/test_muon_zero.py",  # 80
-    "training/test_plan_zero3_sp.py",  # 57
-    "base_run",  # 38 + 17 + 14 + 11 + 8
-    "training/test_entry_points.py",  # 37 + 7 + 6
-    "fault/test_sweep.py",  # 47
-    "training/test_lora_plan.py",  # 29
-    "training/test_lora.py",  # 20 + 11 + 6 + 5
-    "training/test_sft.py",  # 21 + 11 + 8
-    "distributed/test_launch.py",  # 37
-    "distributed/test_expert_parallel_engine.py",  # 34
-    "distributed/test_lora.py",  # 33
-    "fault/test_nonfinite.py",  # 24
-    "distributed/test_mtp_train.py",  # 24 (one concurrent 2-rank + 1-rank pair)
-    "training/test_run_files.py",  # 10 + 9
-    "fault/test_soak.py",  # 19
-    "fault/test_processes.py",  # 18
-    "model/test_typecheck.py",  # 13
-    "training/test_freeze.py",  # 9
+    "test_documented_commands.py",  # 280
+    "distributed/test_zero3_ep.py",  # 123 in a new virtualenv (~65 of it DeepSpeed's CPU Adam JIT build), else 53
+    "ep2_ref",  # 70 + 31
+    "ref_run",  # 44 + 32 + 23
+    "distributed/test_sequence_parallel.py",  # 81 + 20
+    "distributed/test_vision_train.py",  # 77 (6 launches, 5 at once)
+    "distributed/test_muon_zero.py",  # 48
+    "training/test_plan_zero3_sp.py",  # 43
+    "base_run",  # 17 + 5 + 5 + 3 + 3
+    "training/test_entry_points.py",  # 11 + 3 + 3
+    "fault/test_sweep.py",  # 31
+    "training/test_lora_plan.py",  # 20
+    "training/test_lora.py",  # 20 + 8 + 7 + 5 + 4
+    "training/test_sft.py",  # 9 + 6 + 5
+    "distributed/test_launch.py",  # 21
+    "distributed/test_expert_parallel_engine.py",  # 21
+    "distributed/test_lora.py",  # 26
+    "fault/test_nonfinite.py",  # 12
+    "distributed/test_mtp_train.py",  # 30 (two 2-rank jobs and a 1-rank one at once)
+    "training/test_run_files.py",  # 7 + 5
+    "fault/test_soak.py",  # 9
+    "fault/test_processes.py",  # 8
+    "model/test_typecheck.py",  # 10
+    "training/test_freeze.py",  # 5
 )
 
 
