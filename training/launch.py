@@ -92,9 +92,9 @@ def reserve(port: int, now: float | None = None) -> bool:
 def free_port(tries: int = 200) -> int:
     """A TCP port no socket on this machine holds, outside the kernel's ephemeral range, reserved for this
     launch (see the module docstring)."""
-    ports = candidate_ports()
+    ports, rng = candidate_ports(), random.SystemRandom()  # not `random`: jobs seed it alike, and would choose alike
     for _ in range(tries):
-        port = random.SystemRandom().choice(ports)  # not `random`: jobs seed it alike, and would choose alike
+        port = rng.choice(ports)
         if port_is_free(port) and reserve(port):
             return port
     raise SystemExit(f"error: no free port in {ports.start}-{ports.stop - 1} after {tries} tries; set MASTER_PORT")

@@ -27,8 +27,9 @@ def test_a_launch_gets_a_port_nothing_holds():
         s.bind(("", _port(cmd)))  # raises if the port were held
 
 
-def test_chosen_ports_lie_outside_the_kernels_ephemeral_range():
+def test_chosen_ports_lie_outside_the_kernels_ephemeral_range(tmp_path, monkeypatch):
     """The kernel never hands a chosen port to an outgoing connection (gloo's pair sockets) before rank 0 binds it."""
+    monkeypatch.setattr(launch, "RESERVATIONS", tmp_path / "ports")  # claims nothing real launches would skip
     lo, hi = ephemeral_range()
     ports = [free_port() for _ in range(20)]
     assert all(p in candidate_ports() and not lo <= p <= hi for p in ports), (lo, hi, ports)
