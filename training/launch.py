@@ -140,7 +140,9 @@ def free_port_on(host: str) -> int:
     """A free port on the master host: locally, or over the ssh the deepspeed launcher itself uses for its nodes."""
     if is_this_machine(host):
         return free_port()
-    cmd = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", host, f"python3 -c {shlex.quote(_PROBE)}"]
+    ssh_opts = shlex.split(os.environ.get("PDSH_SSH_ARGS_APPEND", ""))  # the options pdsh's ssh gets
+    probe = f"python3 -c {shlex.quote(_PROBE)}"
+    cmd = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", *ssh_opts, host, probe]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=True).stdout
         return int(out.strip().splitlines()[-1])
@@ -177,15 +179,29 @@ def launch_command(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Exec the deepspeed launcher for training/train.py with the overrides in `argv` (see the module docstring)."""
+    """Exec the deepspeed launcher for training/train.py with the overrides in `argv` (see the module docstring).
+    With a HOSTFILE, every node is checked first and the ranks' environment is handed to the other nodes
+    (training/multinode.py)."""
     env = os.environ
+    num_gpus = int(env.get("NUM_RANKS") or env.get("GPUS_PER_NODE") or 2)
+    hostfile, master_port = env.get("HOSTFILE") or None, env.get("MASTER_PORT") or None
+    extra: list[str] = []
+    if hostfile:
+        from training.multinode import env_file, preflight
+
+        master_port = preflight(hostfile, num_gpus, master_port, LOWEST_PORT) or master_port
+        env["DS_ENV_FILE"] = str(env_file())  # an absolute path: DeepSpeed's runner reads it for the pdsh exports
+        extra = ["--no_ssh_check"]  # done above, through the same ssh options pdsh uses
+    elif master_port and not port_is_free(int(master_port)):
+        raise SystemExit(f"error: MASTER_PORT {master_port} is taken on this machine; unset it or pick another")
     cmd = launch_command(
         list(sys.argv[1:] if argv is None else argv),
-        num_gpus=int(env.get("NUM_RANKS") or env.get("GPUS_PER_NODE") or 2),
-        hostfile=env.get("HOSTFILE") or None,
+        num_gpus=num_gpus,
+        hostfile=hostfile,
         master_addr=env.get("MASTER_ADDR") or None,
-        master_port=env.get("MASTER_PORT") or None,
+        master_port=master_port,
     )
+    cmd[1:1] = extra
     print("launch:", " ".join(cmd), file=sys.stderr, flush=True)
     os.execvp(cmd[0], cmd)
 

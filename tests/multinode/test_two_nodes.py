@@ -1,0 +1,91 @@
+"""Two nodes through the deepspeed launcher (pdsh over ssh): `HOSTFILE=... GPUS_PER_NODE=1 launch/multinode.sh`
+typed on node 1 trains 2 nodes x 1 rank, ZeRO-3 with EP=2 across the node boundary (each node holds half the
+experts; every all-to-all and ZeRO gather crosses the veth link), and matches the same global batch on one node's
+2 ranks. Its checkpoint (on the shared filesystem) is written once and resumes on one node.
+
+Jobs (tiny_ci, global batch 4 rows, 6 steps, checkpoints every 3), the first two at once:
+  two_nodes  2 nodes x 1 rank through launch/multinode.sh (node 1 launches; master = node 1's address)
+  one_node   1 node x 2 ranks (the usual local launch), the same overrides
+  resumed    1 node x 2 ranks resumed from two_nodes' step-3 checkpoint
+Routing is discrete: the runs are compared while it agrees (the losses of every step agree, so it did).
+"""
+
+from __future__ import annotations
+
+import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.conftest import TINY, must_succeed, run_training
+from tests.multinode.conftest import multinode
+
+pytestmark = pytest.mark.distributed
+STEPS, EVERY = 6, 3
+JOB = [
+    *TINY,
+    f"train.steps={STEPS}",
+    f"checkpoint.every={EVERY}",
+    "train.micro_batch_size=2",
+    "train.grad_accum=1",
+    "deepspeed=zero3",
+    "parallel.ep_size=2",
+]
+
+
+@pytest.fixture(scope="module")
+def jobs(cluster, runs_root):
+    root = runs_root / "multinode"
+    root.mkdir()
+    with ThreadPoolExecutor(2) as pool:
+        two = pool.submit(multinode, cluster, root / "two_nodes", JOB)
+        one = pool.submit(run_training, root / "one_node", JOB, 2)
+        out = {"two_nodes": must_succeed(two.result()), "one_node": must_succeed(one.result())}
+    step = out["two_nodes"].run_dir / "checkpoints" / f"step_{EVERY:08d}"
+    out["resumed"] = must_succeed(run_training(root / "resumed", [*JOB, f"checkpoint.resume={step}"], 2))
+    return out
+
+
+def _node_lines(run, host: str) -> list[str]:
+    return [ln for ln in (run.stdout + run.stderr).splitlines() if ln.startswith(f"{host}: ")]
+
+
+def test_both_nodes_run_a_rank_and_the_master_is_the_first_host(jobs, cluster):
+    run = jobs["two_nodes"]
+    a, b = cluster.nodes
+    launch = next(ln for ln in run.stderr.splitlines() if ln.startswith("launch: "))
+    assert f"--master_addr {a.addr}" in launch and "--num_gpus 1" in launch
+    for node_rank, n in enumerate(cluster.nodes):
+        lines = _node_lines(run, n.addr)
+        assert any(f"node_rank={node_rank}" in ln for ln in lines), run.tail()
+        assert any("dist_world_size=2" in ln for ln in lines)
+    assert any(re.search(r"step 6/6 loss=", ln) for ln in _node_lines(run, a.addr))  # rank 0 logs, on node 1
+    assert b.addr != a.addr
+
+
+def test_two_nodes_losses_equal_one_node_two_ranks_within_1e_6(jobs):
+    two, one = jobs["two_nodes"].losses(), jobs["one_node"].losses()
+    assert sorted(two) == sorted(one) == list(range(1, STEPS + 1))
+    for s in one:
+        assert abs(two[s] - one[s]) <= 1e-6, (s, two[s], one[s])
+
+
+def _files(run_dir: Path) -> list[str]:
+    return sorted(str(p.relative_to(run_dir)) for p in (run_dir / "checkpoints").rglob("*") if p.is_file())
+
+
+def test_the_checkpoint_is_written_once_on_the_shared_filesystem(jobs):
+    two, one = jobs["two_nodes"], jobs["one_node"]
+    assert _files(two.run_dir) == _files(one.run_dir)  # the same files as a one-node job: no node wrote its own
+    shards = sorted(p.name for p in (two.run_dir / "checkpoints" / f"step_{STEPS:08d}").glob("*optim_states.pt"))
+    assert shards == [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(2)]
+    steps = [r["step"] for r in two.metrics if "loss" in r]
+    assert steps == list(range(1, STEPS + 1))  # one metrics record per step: rank 0 alone writes
+
+
+def test_a_two_node_checkpoint_resumes_on_one_node(jobs):
+    got, ref = jobs["resumed"].losses(), jobs["two_nodes"].losses()
+    assert sorted(got) == list(range(EVERY + 1, STEPS + 1))
+    for s in got:
+        assert abs(got[s] - ref[s]) <= 1e-6, (s, got[s], ref[s])
