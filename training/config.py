@@ -206,6 +206,9 @@ class DeepSpeedSection:
 class ParallelSection:
     ep_size: int = 1
     sp_size: int = 1  # Ulysses sequence parallelism: each sequence split over this many ranks (training/parallel)
+    # A collective (or the rendezvous) waiting longer than this for a peer fails and the rank exits: a lost node
+    # ends the job instead of hanging it (gloo and NCCL; docs/multinode.md, docs/reliability.md).
+    timeout_s: float = 600.0
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -35,8 +36,10 @@ def env_world() -> DistInfo:
     )
 
 
-def init_distributed() -> DistInfo:
-    """Initialise (once) the DeepSpeed/torch.distributed group; fills env defaults for a single process."""
+def init_distributed(timeout_s: float | None = None) -> DistInfo:
+    """Initialise (once) the DeepSpeed/torch.distributed group; fills env defaults for a single process.
+    `timeout_s` bounds the rendezvous and every collective (a peer lost mid-step: the rank raises, exits, and its
+    launcher ends the job); None keeps DeepSpeed's default (30 min)."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -47,7 +50,12 @@ def init_distributed() -> DistInfo:
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # skip a ~37 s JIT build on CPU
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_init_required=True, verbose=False)
+        kw = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+        if timeout_s is not None:  # the groups DeepSpeed makes later (EP, expert-DP, SP: `new_group` without a
+            # timeout) take torch's module default, not the world group's: set that default too
+            c10d = dist.distributed_c10d
+            c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = kw["timeout"]
+        deepspeed.init_distributed(dist_init_required=True, verbose=False, **kw)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"]))

@@ -36,6 +36,9 @@ TRAIN_SCRIPT = str(Path(__file__).resolve().with_name("train.py"))
 LOWEST_PORT = 20000  # chosen ports lie in [LOWEST_PORT, the ephemeral range's start): clear of well-known services
 RESERVE_S = 60.0  # how long a chosen port stays reserved for its launch (rank 0 binds it within seconds)
 RESERVATIONS = Path(tempfile.gettempdir()) / "k3-train-ports"
+# pdsh's ssh to a node that vanished (power, network) would wait for TCP's retransmission timeout (~15 min) after
+# the surviving ranks exit; keepalives end it within ~15 s so the launcher returns
+SSH_KEEPALIVE = "-o ServerAliveInterval=5 -o ServerAliveCountMax=3"
 
 
 def ephemeral_range() -> tuple[int, int]:
@@ -189,6 +192,8 @@ def main(argv: list[str] | None = None) -> None:
     if hostfile:
         from training.multinode import env_file, preflight
 
+        if "ServerAlive" not in env.get("PDSH_SSH_ARGS_APPEND", ""):  # a node cut off ends its ssh, not the job
+            env["PDSH_SSH_ARGS_APPEND"] = f"{SSH_KEEPALIVE} {env.get('PDSH_SSH_ARGS_APPEND', '')}".strip()
         master_port = preflight(hostfile, num_gpus, master_port, LOWEST_PORT) or master_port
         env["DS_ENV_FILE"] = str(env_file())  # an absolute path: DeepSpeed's runner reads it for the pdsh exports
         extra = ["--no_ssh_check"]  # done above, through the same ssh options pdsh uses

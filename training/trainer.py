@@ -97,7 +97,7 @@ class Trainer:
 
     def __init__(self, cfg: DictConfig, mcfg: K3Config) -> None:
         self.cfg, self.mcfg = cfg, mcfg
-        self.info = init_distributed()
+        self.info = init_distributed(float(cfg.parallel.timeout_s))
         self.is_main = self.info.is_main
         self.run_dir = resolve_run_dir(cfg)
         self.ckpt_root = os.path.join(self.run_dir, "checkpoints")

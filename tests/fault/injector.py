@@ -11,6 +11,8 @@ launcher run. The run harness (tests/distributed/conftest.py `run_training`) add
                                     before any checkpoint of 4)
     K3_FAULT_KILL_IN_CKPT_PHASE=p   with K3_FAULT_KILL_AT_STEP=k: SIGKILL inside the checkpoint write of step k
                                     at phase p (training.checkpoint.SAVE_PHASES), instead of after the step
+    K3_FAULT_PAUSE_AT_STEP=4        sleep K3_FAULT_PAUSE_S (default 5) seconds right after optimizer step 4 (its
+                                    peers wait in the next step's first collective: a window to cut a node off)
 
 NaN/Inf faults use PyTorch's own seam, a forward hook on the model that replaces the output's loss.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from typing import Any
 
 import torch
@@ -68,6 +71,8 @@ class FaultInjector(Callback):
         self.inf = parse_steps("K3_FAULT_INF_GRAD_AT_STEP")
         self.kill = parse_steps("K3_FAULT_KILL_AT_STEP")
         self.phase = os.environ.get("K3_FAULT_KILL_IN_CKPT_PHASE") or None
+        self.pause = parse_steps("K3_FAULT_PAUSE_AT_STEP")
+        self.pause_s = float(os.environ.get("K3_FAULT_PAUSE_S", "5"))
         rank = os.environ.get("K3_FAULT_RANK")
         self.rank = int(rank) if rank else None
         if self.phase is not None and self.phase not in SAVE_PHASES:
@@ -90,6 +95,8 @@ class FaultInjector(Callback):
     def on_step_end(self, trainer) -> None:
         if self.phase is None and trainer.step in self.kill and self._mine(trainer):
             _kill()
+        if trainer.step in self.pause and self._mine(trainer):
+            time.sleep(self.pause_s)
 
     def on_checkpoint_phase(self, trainer, phase: str, step: int) -> None:
         if self.phase == phase and step in self.kill and self._mine(trainer):

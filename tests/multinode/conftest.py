@@ -1,20 +1,41 @@
-"""The two-node cluster (tests/multinode/cluster.py) for this directory's tests, once per session, and a way to run
-`launch/multinode.sh` on its first node. Skipped with one line where the machine cannot build it (not root, no
-`ip netns`, sshd/pdsh not installed: `.ci/run` installs them)."""
+"""The two-node cluster (tests/multinode/cluster.py) for this directory's tests, once per session; a way to run
+`launch/multinode.sh` on its first node; the uninterrupted two-node job the other jobs are compared with. Skipped
+with one line where the machine cannot build the cluster (not root, no `ip netns`, sshd/pdsh not installed:
+`.ci/run` installs them)."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.distributed.conftest import REPO, RunResult, job_env, read_metrics, runs_root  # noqa: F401
+from tests.distributed.conftest import REPO, TINY, RunResult, job_env, must_succeed, read_metrics
 from tests.multinode.cluster import Cluster, bring_up, unavailable
 
-pytestmark = pytest.mark.distributed
+# 2 ranks (one per node, or two on one node), ZeRO-3, EP=2: global batch 4 rows, 6 steps, checkpoints every 3
+STEPS, EVERY = 6, 3
+JOB = [
+    *TINY,
+    f"train.steps={STEPS}",
+    f"checkpoint.every={EVERY}",
+    "train.micro_batch_size=2",
+    "train.grad_accum=1",
+    "deepspeed=zero3",
+    "parallel.ep_size=2",
+]
+
+
+@pytest.fixture(scope="session")
+def runs_root():
+    """Own temp dir (not pytest's tmp_path: concurrent pytest sessions prune each other's old base dirs)."""
+    root = Path(tempfile.mkdtemp(prefix="k3-multinode-runs-"))
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -32,20 +53,38 @@ class NodeRun(RunResult):
     wall_s: float = 0.0
 
 
-def multinode(
+def start_multinode(
     cluster: Cluster,
     run_dir: Path,
     overrides: list[str],
     ranks_per_node: int = 1,
     env: dict[str, str] | None = None,
-    hostfile: Path | None = None,
-    timeout: int = 600,
-) -> NodeRun:
-    """`HOSTFILE=... GPUS_PER_NODE=n launch/multinode.sh run_dir=... <overrides>` typed on the first node."""
-    hostfile = hostfile or cluster.hostfile(run_dir.parent / f"hostfile-{run_dir.name}", ranks_per_node)
+    hosts: int | None = None,
+) -> subprocess.Popen:
+    """`HOSTFILE=... GPUS_PER_NODE=n launch/multinode.sh run_dir=... <overrides>` typed on the first node (the
+    hostfile lists the first `hosts` nodes, all by default). K3_FAULT_* in `env` plugs the test-only injector."""
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    hostfile = run_dir.parent / f"hostfile-{run_dir.name}-{hosts}"
+    hostfile.write_text("".join(f"{n.addr} slots={ranks_per_node}\n" for n in cluster.nodes[:hosts]))
     extra = {**cluster.env(), "HOSTFILE": str(hostfile), "GPUS_PER_NODE": str(ranks_per_node), "OMP_NUM_THREADS": "1"}
-    cmd = cluster.netns(cluster.nodes[0], ["launch/multinode.sh", f"run_dir={run_dir}", *overrides])
+    args = [f"run_dir={run_dir}", *overrides]
+    if any(k.startswith("K3_FAULT_") for k in (env or {})):
+        args.append("callbacks=[tests.fault.injector.FaultInjector]")
+    cmd = cluster.netns(cluster.nodes[0], ["launch/multinode.sh", *args])
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=job_env({**extra, **(env or {})}), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def multinode(cluster: Cluster, run_dir: Path, overrides: list[str], ranks_per_node: int = 1, **kw) -> NodeRun:
+    """`start_multinode`, waited for."""
     t0 = time.monotonic()
-    env = job_env({**extra, **(env or {})})
-    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    return NodeRun(p.returncode, p.stdout, p.stderr, run_dir, read_metrics(run_dir), time.monotonic() - t0)
+    p = start_multinode(cluster, run_dir, overrides, ranks_per_node, **kw)
+    out, err = p.communicate(timeout=600)
+    return NodeRun(p.returncode, out, err, run_dir, read_metrics(run_dir), time.monotonic() - t0)
+
+
+@pytest.fixture(scope="session")
+def two_nodes(cluster, runs_root) -> NodeRun:
+    """The uninterrupted job on 2 nodes x 1 rank."""
+    return must_succeed(multinode(cluster, runs_root / "multinode" / "two_nodes", JOB))
