@@ -101,6 +101,17 @@ class DistStatsReducer:
         return torch.cat([p[:k] for p, k in zip(parts, lens)], dim=0)
 
 
+_PEER_LOST = ("timed out", "connection closed", "connection reset", "broken pipe", "nccl error", "watchdog caught")
+
+
+def peer_lost(e: BaseException) -> bool:
+    """Whether `e` is a collective failing because a peer rank or node is gone (c10d's DistError, or gloo's and
+    NCCL's RuntimeErrors: a timeout, a closed or reset connection)."""
+    if isinstance(e, dist.DistError):
+        return True
+    return isinstance(e, RuntimeError) and any(w in str(e).lower() for w in _PEER_LOST)
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()

@@ -16,7 +16,8 @@ launches on this machine never pick the same one while neither has bound it yet.
     HOSTFILE=launch/hostfile.example GPUS_PER_NODE=8 python -m training.launch model=small   # multi-node
 
 Environment: NUM_RANKS / GPUS_PER_NODE (ranks per node), HOSTFILE, MASTER_ADDR (default: the hostfile's first
-host), MASTER_PORT (default: a free one on the master host). Arguments are Hydra overrides for training/train.py.
+host), MASTER_PORT (default: a free one on the master host), NODE_RANK (with HOSTFILE: this node's launcher only,
+no ssh; srun starts one per node: launch/slurm.sbatch). Arguments are Hydra overrides for training/train.py.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from training.multinode import env_file, preflight
 
 TRAIN_SCRIPT = str(Path(__file__).resolve().with_name("train.py"))
 LOWEST_PORT = 20000  # chosen ports lie in [LOWEST_PORT, the ephemeral range's start): clear of well-known services
@@ -189,9 +192,14 @@ def main(argv: list[str] | None = None) -> None:
     num_gpus = int(env.get("NUM_RANKS") or env.get("GPUS_PER_NODE") or 2)
     hostfile, master_port = env.get("HOSTFILE") or None, env.get("MASTER_PORT") or None
     extra: list[str] = []
-    if hostfile:
-        from training.multinode import env_file, preflight
-
+    if hostfile and env.get("NODE_RANK"):  # one launcher per node, started by srun (no ssh): DeepSpeed's --no_ssh
+        if not master_port:
+            raise SystemExit(
+                "error: NODE_RANK is set (one launcher per node) but MASTER_PORT is not; every node's "
+                "launcher needs the same one (launch/slurm.sbatch chooses it)"
+            )
+        extra = ["--no_ssh", "--node_rank", env["NODE_RANK"]]
+    elif hostfile:
         if "ServerAlive" not in env.get("PDSH_SSH_ARGS_APPEND", ""):  # a node cut off ends its ssh, not the job
             env["PDSH_SSH_ARGS_APPEND"] = f"{SSH_KEEPALIVE} {env.get('PDSH_SSH_ARGS_APPEND', '')}".strip()
         master_port = preflight(hostfile, num_gpus, master_port, LOWEST_PORT) or master_port

@@ -10,8 +10,9 @@ one line naming the node and the fix, before any rank starts:
 
 The other nodes' ranks see only what the ssh command line exports: DeepSpeed exports `PYTHON*` variables and the
 lines of a `.deepspeed_env` file (DS_ENV_FILE names it). `env_file` writes one with the variables that steer a rank
-here (DS_ACCELERATOR, OMP_NUM_THREADS, GLOO_*/NCCL_* socket interfaces and timeouts, W&B, HF, K3_*), after any
-`.deepspeed_env` the user keeps in ~ or the checkout, so a node does not fall back to other defaults.
+here (DS_ACCELERATOR, OMP_NUM_THREADS, GLOO_*/NCCL_* socket interfaces and timeouts, W&B, HF, K3_*), then the
+lines of any `.deepspeed_env` the user keeps in ~ or the checkout (they win), so a node does not fall back to other
+defaults.
 
 ssh here reads the options pdsh is given for its own ssh (PDSH_SSH_ARGS_APPEND: an `-F ssh_config`, a port, a key),
 so the pre-flight and the launch reach the nodes the same way.
@@ -159,19 +160,20 @@ def preflight(
 
 
 def env_file(environ: dict[str, str] | None = None, home: str | None = None, cwd: str | None = None) -> Path:
-    """A DS_ENV_FILE for the other nodes: the user's `.deepspeed_env` lines (home, then checkout) and then this
-    launch's variables (FORWARD, FORWARD_PREFIXES). Values DeepSpeed cannot quote (quotes, `$`, newlines) stay home."""
+    """A DS_ENV_FILE for the other nodes: this launch's variables (FORWARD, FORWARD_PREFIXES), then the user's
+    `.deepspeed_env` lines (home, then checkout; DeepSpeed keeps a key's last line, so theirs win). Values DeepSpeed
+    cannot quote (quotes, `$`, backslashes, newlines) stay home."""
     environ = dict(os.environ if environ is None else environ)
     name = environ.get("DS_ENV_FILE", ".deepspeed_env")
-    lines: list[str] = []
+    lines = [
+        f"{key}={val}"
+        for key, val in sorted(environ.items())
+        if (key in FORWARD or key.startswith(FORWARD_PREFIXES)) and not any(c in val for c in "\"'$`\\\n")
+    ]
     for base in (home or os.path.expanduser("~"), cwd or os.getcwd()):
         user = Path(base, name)
         if user.is_file():
             lines += [ln for ln in user.read_text().splitlines() if "=" in ln]
-    for key in sorted(environ):
-        val = environ[key]
-        if (key in FORWARD or key.startswith(FORWARD_PREFIXES)) and not any(c in val for c in "\"'$`\\\n"):
-            lines.append(f"{key}={val}")
     out_dir = Path(tempfile.gettempdir()) / "k3-train-env"
     out_dir.mkdir(mode=0o1777, exist_ok=True)
     for old in out_dir.glob("env-*"):  # files of launches long gone

@@ -28,7 +28,7 @@ from model.params import count_params
 from training import watchdog
 from training.checkpoint import CheckpointError, preflight, settle
 from training.config import CONF_DIR, TrainConfigError, resolve_run_dir, validate
-from training.distributed import env_world
+from training.distributed import env_world, peer_lost
 from training.guard import TooManyBadSteps
 from training.launch import launch_command
 from training.rundir import RunDirError, archive_previous_run, check_run_dir, checkpoint_bytes_estimate, lock_run_dir
@@ -114,6 +114,17 @@ def hydra_main(cfg: DictConfig) -> None:
     except (CheckpointError, TooManyBadSteps) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(3)
+    except Exception as e:
+        if not peer_lost(e):
+            raise
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        print(
+            f"error: rank {info.rank}: a collective failed, a peer rank or node is lost ({why}); the job stops, "
+            "resume with checkpoint.resume=auto (parallel.timeout_s bounds the wait)",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(4)  # not sys.exit: the process group's teardown would wait out every queued collective in turn
 
 
 def cpu_threads_per_rank() -> int:

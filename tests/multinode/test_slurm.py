@@ -1,0 +1,125 @@
+"""`sbatch launch/slurm.sbatch` on a real Slurm (slurmctld + one slurmd per namespace node, munge:
+tests/multinode/slurm.py), both ways it starts the ranks, and a cancelled job resubmitted.
+
+Jobs (tests/multinode/conftest.py JOB: 2 nodes x 1 rank, ZeRO-3 EP=2, 6 steps, checkpoints every 3), submitted on
+node 1 with `sbatch --nodes=2 --gpus-per-node=0 --cpus-per-task=1 --output=...` (CPU nodes: the script's GPU and
+CPU requests are overridden on the command line, as sbatch lets any #SBATCH line be):
+  cancelled  K3_SLURM_LAUNCH=ssh; paused after step 4 (test-only injector), `scancel`ed there
+  resubmit   the same command again: continues from the step-3 checkpoint (checkpoint.resume=auto) to the end
+  srun       K3_SLURM_LAUNCH=srun: srun starts DeepSpeed's launcher on each node (no inter-node ssh)
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.conftest import REPO, job_env, read_metrics
+from tests.multinode.conftest import EVERY, JOB, STEPS
+from tests.multinode.slurm import bring_up_slurm, unavailable
+
+pytestmark = pytest.mark.distributed
+CANCEL_AFTER = 4
+
+
+@pytest.fixture(scope="module")
+def slurm(cluster):
+    why = unavailable()
+    if why:
+        pytest.skip(why)
+    return bring_up_slurm(cluster)
+
+
+def _env(cluster, slurm, extra: dict[str, str] | None = None) -> dict[str, str]:
+    return job_env({**cluster.env(), **slurm.env(), "GPUS_PER_NODE": "1", "OMP_NUM_THREADS": "1", **(extra or {})})
+
+
+def _on_node1(cluster, slurm, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    e = env or _env(cluster, slurm)
+    return subprocess.run(cluster.netns(cluster.nodes[0], cmd), cwd=REPO, env=e, capture_output=True, text=True)
+
+
+def sbatch(cluster, slurm, run_dir: Path, out: Path, env: dict[str, str], wait: bool) -> tuple[str, float]:
+    """Submit launch/slurm.sbatch (job id, seconds until sbatch returned: the job's wall time with `wait`)."""
+    args = [f"run_dir={run_dir}", *JOB]
+    if any(k.startswith("K3_FAULT_") for k in env):
+        args.append("callbacks=[tests.fault.injector.FaultInjector]")
+    cmd = ["sbatch", "--parsable", "--nodes=2", "--gpus-per-node=0", "--cpus-per-task=1", f"--output={out}"]
+    t0 = time.monotonic()
+    p = _on_node1(cluster, slurm, [*cmd, *(["--wait"] if wait else []), "launch/slurm.sbatch", *args], env)
+    job = p.stdout.strip().splitlines()[0] if p.stdout.strip() else ""
+    assert job.isdigit() and (p.returncode == 0 or not wait), (p.returncode, p.stdout, p.stderr, _tail(out))
+    return job, time.monotonic() - t0
+
+
+def _tail(path: Path) -> str:
+    return path.read_text()[-4000:] if path.is_file() else "(no output file)"
+
+
+def _state(cluster, slurm, job: str) -> str:
+    out = _on_node1(cluster, slurm, ["scontrol", "show", "job", job]).stdout
+    return next((w.split("=", 1)[1] for w in out.split() if w.startswith("JobState=")), "?")
+
+
+@pytest.fixture(scope="module")
+def jobs(cluster, slurm, runs_root):
+    root = runs_root / "slurm"
+    root.mkdir(parents=True)
+    out: dict = {}
+    # cancelled mid-run: all ranks pause after step 4 (checkpoint 3 complete), scancel, then the same command again
+    run_dir = root / "requeue"
+    fault = {"K3_FAULT_PAUSE_AT_STEP": str(CANCEL_AFTER), "K3_FAULT_PAUSE_S": "120"}
+    job, _ = sbatch(cluster, slurm, run_dir, root / "cancelled.out", _env(cluster, slurm, fault), wait=False)
+    deadline = time.monotonic() + 300
+    while CANCEL_AFTER not in {r.get("step") for r in read_metrics(run_dir) if "loss" in r}:
+        assert time.monotonic() < deadline and _state(cluster, slurm, job) in ("PENDING", "RUNNING"), _tail(
+            root / "cancelled.out"
+        )
+        time.sleep(0.2)
+    _on_node1(cluster, slurm, ["scancel", job])
+    while _state(cluster, slurm, job) not in ("CANCELLED", "FAILED", "COMPLETED"):
+        assert time.monotonic() < deadline, _tail(root / "cancelled.out")
+        time.sleep(0.2)
+    out["cancelled_state"] = _state(cluster, slurm, job)
+    out["resubmit"], out["resubmit_s"] = sbatch(
+        cluster, slurm, run_dir, root / "resubmit.out", _env(cluster, slurm), True
+    )
+    out["requeue_dir"] = run_dir
+    srun_env = _env(cluster, slurm, {"K3_SLURM_LAUNCH": "srun"})
+    out["srun"], out["srun_s"] = sbatch(cluster, slurm, root / "srun", root / "srun.out", srun_env, True)
+    out["root"] = root
+    print(f"Slurm job wall time: ssh launch {out['resubmit_s']:.1f} s (resumed at step 4), srun {out['srun_s']:.1f} s")
+    return out
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    return {int(r["step"]): r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+
+
+def test_sbatch_runs_to_completion_and_its_output_shows_both_nodes_training(jobs, cluster):
+    text = (jobs["root"] / "resubmit.out").read_text()
+    a, b = cluster.nodes
+    assert f"on node[1-2], master {a.addr}, launch ssh" in text
+    for node_rank, n in enumerate((a, b)):
+        assert f"{n.addr}: " in text and f"node_rank={node_rank}" in text
+    assert f"step {STEPS}/{STEPS} loss=" in text
+
+
+def test_a_cancelled_job_resubmitted_continues_from_its_last_checkpoint_bitwise(jobs, two_nodes):
+    assert jobs["cancelled_state"] == "CANCELLED"
+    log = (jobs["root"] / "resubmit.out").read_text()
+    assert f"step_{EVERY:08d}" in log or "resum" in log.lower()
+    got, ref = _losses(jobs["requeue_dir"]), two_nodes.losses()  # the last record of a step wins: the resubmit's
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert got == ref  # bitwise, every step (4 ran twice: the cancelled job's record is overwritten)
+
+
+def test_the_srun_variant_trains_both_nodes_without_ssh(jobs, two_nodes):
+    text = (jobs["root"] / "srun.out").read_text()
+    assert "launch srun" in text
+    assert "0: " in text and "1: " in text  # srun --label: one launcher per node
+    assert "--no_ssh --node_rank 0" in text and "--no_ssh --node_rank 1" in text
+    assert _losses(jobs["root"] / "srun") == two_nodes.losses()
