@@ -80,6 +80,7 @@ def lost(cluster, runs_root):
     verify_checkpoint(str(ckpts / out["latest_before"]))  # raises CheckpointError when damaged
     out["verified"] = out["latest_before"]
     print(f"node lost after step {CUT_AFTER}: seconds to exit {out['exited']} (timeout_s={TIMEOUT_S})")
+    print("\n".join(ln for ln in out["log"].splitlines() if "error:" in ln or "pdsh@" in ln))
     # node 1 alone: world size 1, EP=1, the same global batch (GA 2), resume=auto from the last complete checkpoint
     alone = [*JOB, "parallel.ep_size=1", "train.grad_accum=2"]
     out["restart"] = multinode(cluster, run_dir, alone, 1, hosts=1)

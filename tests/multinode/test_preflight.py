@@ -82,24 +82,17 @@ def test_a_node_without_the_venv_or_the_checkout_is_named(cluster):
     )
     run = [sys.executable, "-c", code, b.addr]
     env = job_env(cluster.env())
-    no_venv = subprocess.run(
-        cluster.netns(cluster.nodes[0], [*run, str(REPO), "/opt/no-venv/bin/python"]),
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert no_venv == (
+
+    def probe(root: str, python: str) -> str:
+        cmd = cluster.netns(cluster.nodes[0], [*run, root, python])
+        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True).stdout.strip()
+
+    assert probe(str(REPO), "/opt/no-venv/bin/python") == (
         f"error: node {b.addr} has no /opt/no-venv/bin/python; install the venv at the same path on every node"
     )
-    no_repo = subprocess.run(
-        cluster.netns(cluster.nodes[0], [*run, "/opt/no-checkout", sys.executable]),
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
+    assert probe("/opt/no-checkout", sys.executable).startswith(
+        f"error: node {b.addr} has no checkout at /opt/no-checkout;"
     )
-    assert no_repo.stdout.strip().startswith(f"error: node {b.addr} has no checkout at /opt/no-checkout;")
 
 
 def test_a_malformed_hostfile_line_is_named(tmp_path):

@@ -111,7 +111,7 @@ def test_sbatch_runs_to_completion_and_its_output_shows_both_nodes_training(jobs
 def test_a_cancelled_job_resubmitted_continues_from_its_last_checkpoint_bitwise(jobs, two_nodes):
     assert jobs["cancelled_state"] == "CANCELLED"
     log = (jobs["root"] / "resubmit.out").read_text()
-    assert f"step_{EVERY:08d}" in log or "resum" in log.lower()
+    assert f"resumed from {jobs['requeue_dir']}/checkpoints/step_{EVERY:08d} at step {EVERY}" in log
     got, ref = _losses(jobs["requeue_dir"]), two_nodes.losses()  # the last record of a step wins: the resubmit's
     assert sorted(got) == list(range(1, STEPS + 1))
     assert got == ref  # bitwise, every step (4 ran twice: the cancelled job's record is overwritten)
