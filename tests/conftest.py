@@ -66,12 +66,14 @@ SHARED = {
     "base_run": ("fault/test_run_identity.py", "fault/test_untrusted.py", "fault/test_data_faults.py"),
     "real_run": ("training/test_report.py", "training/test_generate_cli.py"),
     "data-fixtures": ("data/",),  # corpus, tokenizers (tests/data/conftest.py)
+    "multinode": ("multinode/",),  # the two namespace nodes, their Slurm, the two-node reference job
 }
 # Units start in this order, the longest first (seconds of `pytest --durations` in a fresh clone on an idle 2-core
 # machine, both workers busy, 2026-12-05), so the two workers end together: a unit not listed starts after these, in
 # collection order (all of them are short).
 FIRST = (
     "test_documented_commands.py",  # 280
+    "multinode",  # MULTINODE_S (tests/multinode: 2-node jobs, a node lost, 3 Slurm jobs)
     "distributed/test_zero3_ep.py",  # 123 in a new virtualenv (~65 of it DeepSpeed's CPU Adam JIT build), else 53
     "ep2_ref",  # 70 + 31
     "ref_run",  # 44 + 32 + 23

@@ -29,7 +29,13 @@ TEMPLATE = re.compile(r"<(?!\|)[^>]*>|\.\.\.|\[[^\]]*\]|\s/\s|/\*")
 # Commands that cannot run here, and why (each is exercised in another way where possible).
 EXEMPT = {
     "make test": "is the suite itself (CI runs it)",
-    "launch/multinode.sh": "needs a hostfile of ssh-reachable nodes (tests/distributed runs the same entry point)",
+    "launch/multinode.sh": "needs ssh-reachable nodes: tests/multinode runs it on two network-namespace nodes",
+    "HOSTFILE=hostfile GPUS_PER_NODE=1 GLOO_SOCKET_IFNAME=k3eth0 launch/multinode.sh experiment=tiny_ci "
+    "deepspeed=zero3 parallel.ep_size=2 run_dir=/shared/runs/two-nodes": "needs ssh-reachable nodes: "
+    "tests/multinode/test_two_nodes.py runs this job on two network-namespace nodes with their own sshd",
+    "sbatch --nodes=2 --gpus-per-node=0 --cpus-per-task=1 launch/slurm.sbatch experiment=tiny_ci deepspeed=zero3 "
+    "parallel.ep_size=2 run_dir=/shared/runs/slurm": "needs a Slurm cluster: tests/multinode/test_slurm.py submits "
+    "this job to a local slurmctld + two slurmd nodes",
     "launch/fault_matrix.sh": "the full fault matrix (~9 min); its CI subset is tests/fault",
     "bench/gpu.sh": "needs an NVIDIA GPU; without one it exits 2 in one line (test_gpu_script_refuses_without_cuda)",
     "python -m tests.golden.make": "rewrites the committed golden files (tests/golden/test_golden.py checks them)",
