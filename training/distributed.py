@@ -109,7 +109,9 @@ def peer_lost(e: BaseException) -> bool:
     NCCL's RuntimeErrors: a timeout, a closed or reset connection)."""
     if isinstance(e, dist.DistError):
         return True
-    return isinstance(e, RuntimeError) and any(w in str(e).lower() for w in _PEER_LOST)
+    msg = str(e).lower()
+    from_backend = any(w in msg for w in ("gloo", "nccl", "c10d", "processgroup"))
+    return isinstance(e, RuntimeError) and from_backend and any(w in msg for w in _PEER_LOST)
 
 
 def barrier() -> None:

@@ -5,11 +5,13 @@ with one line where the machine cannot build the cluster (not root, no `ip netns
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -51,6 +53,17 @@ def cluster():
 @dataclass
 class NodeRun(RunResult):
     wall_s: float = 0.0
+    started: float = 0.0  # epoch seconds when launch/multinode.sh was started
+
+    def spawn_s(self, host: str) -> float | None:
+        """Seconds from the launch to DeepSpeed's per-node launcher on `host` starting its rank(s) (its log line)."""
+        pat = re.compile(rf"^{re.escape(host)}: \[(\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d,\d+)\].*process \d+ spawned")
+        for line in (self.stdout + self.stderr).splitlines():
+            m = pat.match(line)
+            if m:
+                t = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                return t - self.started
+        return None
 
 
 def start_multinode(
@@ -78,13 +91,17 @@ def start_multinode(
 
 def multinode(cluster: Cluster, run_dir: Path, overrides: list[str], ranks_per_node: int = 1, **kw) -> NodeRun:
     """`start_multinode`, waited for."""
-    t0 = time.monotonic()
+    t0, started = time.monotonic(), time.time()
     p = start_multinode(cluster, run_dir, overrides, ranks_per_node, **kw)
     out, err = p.communicate(timeout=600)
-    return NodeRun(p.returncode, out, err, run_dir, read_metrics(run_dir), time.monotonic() - t0)
+    return NodeRun(p.returncode, out, err, run_dir, read_metrics(run_dir), time.monotonic() - t0, started)
 
 
 @pytest.fixture(scope="session")
 def two_nodes(cluster, runs_root) -> NodeRun:
     """The uninterrupted job on 2 nodes x 1 rank."""
-    return must_succeed(multinode(cluster, runs_root / "multinode" / "two_nodes", JOB))
+    run = must_succeed(multinode(cluster, runs_root / "multinode" / "two_nodes", JOB))
+    first = next((r["time_to_first_step_s"] for r in run.metrics if "time_to_first_step_s" in r), None)
+    spawn = {n.addr: run.spawn_s(n.addr) for n in cluster.nodes}
+    print(f"two nodes: wall {run.wall_s:.1f} s, rank started per node {spawn} s, rank 0 first step {first} s")
+    return run

@@ -80,7 +80,7 @@ def lost(cluster, runs_root):
     verify_checkpoint(str(ckpts / out["latest_before"]))  # raises CheckpointError when damaged
     out["verified"] = out["latest_before"]
     print(f"node lost after step {CUT_AFTER}: seconds to exit {out['exited']} (timeout_s={TIMEOUT_S})")
-    print("\n".join(ln for ln in out["log"].splitlines() if "error:" in ln or "pdsh@" in ln))
+    print("\n".join(ln for ln in out["log"].splitlines() if any(w in ln for w in ("error", "Timed out", "pdsh@"))))
     # node 1 alone: world size 1, EP=1, the same global batch (GA 2), resume=auto from the last complete checkpoint
     alone = [*JOB, "parallel.ep_size=1", "train.grad_accum=2"]
     out["restart"] = multinode(cluster, run_dir, alone, 1, hosts=1)
@@ -113,3 +113,16 @@ def test_node_one_alone_continues_from_the_checkpoint_with_the_optimizer_state(l
     assert got[EVERY + 1] == ref[EVERY + 1]  # the same weights: the first step after resuming is bitwise
     for s in range(EVERY + 1, STEPS + 1):  # the Adam moments travelled: later steps agree to fp32 rounding
         assert abs(got[s] - ref[s]) <= 1e-6 * abs(ref[s]), (s, got[s], ref[s])
+
+
+def test_only_a_backend_collective_failure_counts_as_a_lost_peer():
+    import torch.distributed as dist
+
+    from training.distributed import peer_lost
+
+    gloo = "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 10000ms for recv operation"
+    assert peer_lost(RuntimeError(gloo))
+    assert peer_lost(RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
+    assert peer_lost(dist.DistBackendError("NCCL communicator was aborted"))
+    assert not peer_lost(RuntimeError("DataLoader worker timed out"))  # not a collective: the traceback stays
+    assert not peer_lost(ValueError("gloo timed out"))
