@@ -19,8 +19,13 @@ from tests.multinode.cluster import Cluster
 NEEDED = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel")
 
 
+def _bin(name: str) -> str:
+    """The daemon's or client's path (root's PATH may lack /usr/sbin)."""
+    return shutil.which(name) or str(Path("/usr/sbin", name))
+
+
 def unavailable() -> str | None:
-    missing = [c for c in NEEDED if not shutil.which(c) and not Path("/usr/sbin", c).exists()]
+    missing = [c for c in NEEDED if not Path(_bin(c)).exists()]
     if missing:
         return f"Slurm fixture needs {', '.join(missing)} (apt-get install slurm-wlm munge; .ci/run does)"
     return None
@@ -110,20 +115,20 @@ def bring_up_slurm(cluster: Cluster) -> Slurm:
     env = {**os.environ, "SLURM_CONF": str(conf)}
     first = cluster.nodes[0]
     munge = [
-        "munged", "--foreground", "--force", f"--key-file={root}/munge.key", f"--socket={root}/munge.sock",
+        _bin("munged"), "--foreground", "--force", f"--key-file={root}/munge.key", f"--socket={root}/munge.sock",
         f"--pid-file={root}/munged.pid", f"--log-file={root}/munged.log", f"--seed-file={root}/munged.seed",
     ]  # fmt: skip
     cluster.start(first, munge, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _wait("munged", (root / "munge.sock").exists, log=root / "munged.log")
-    cluster.start(first, ["slurmctld", "-D", "-i"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cluster.start(first, [_bin("slurmctld"), "-D", "-i"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for name, n in zip(names, cluster.nodes):
-        slurmd = f"mount -t tmpfs tmpfs /sys/fs/cgroup && exec slurmd -D -N {name}"
+        slurmd = f"mount -t tmpfs tmpfs /sys/fs/cgroup && exec {_bin('slurmd')} -D -N {name}"
         cluster.start(n, ["sh", "-c", slurmd], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     slurm = Slurm(root, conf, names)
 
     def idle() -> bool:
         out = subprocess.run(
-            cluster.netns(first, ["sinfo", "-h", "-N", "-o", "%N %t"]), env=env, capture_output=True, text=True
+            cluster.netns(first, [_bin("sinfo"), "-h", "-N", "-o", "%N %t"]), env=env, capture_output=True, text=True
         ).stdout.split()
         return out.count("idle") == len(names)
 
