@@ -5,6 +5,7 @@ slots than a node has. And what the other nodes' ranks are handed (DS_ENV_FILE).
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -127,3 +128,16 @@ def test_the_other_nodes_get_the_rank_environment_and_the_users_deepspeed_env(tm
         "OMP_NUM_THREADS=4",
         "WANDB_MODE=offline",
     }
+
+
+def test_a_taken_master_port_on_this_machine_is_named_before_any_launch():
+    with socket.socket() as held:
+        held.bind(("", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        env = job_env({"MASTER_PORT": str(port), "NUM_RANKS": "2"})
+        env.pop("HOSTFILE", None)
+        p = subprocess.run([sys.executable, "-m", "training.launch"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert p.returncode != 0 and p.stderr.strip() == (
+        f"error: MASTER_PORT {port} is taken on this machine; unset it or pick another"
+    ), p.stderr
