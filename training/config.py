@@ -207,8 +207,9 @@ class ParallelSection:
     ep_size: int = 1
     sp_size: int = 1  # Ulysses sequence parallelism: each sequence split over this many ranks (training/parallel)
     # A collective (or the rendezvous) waiting longer than this for a peer fails and the rank exits: a lost node
-    # ends the job instead of hanging it (gloo and NCCL; docs/multinode.md, docs/reliability.md).
-    timeout_s: float = 600.0
+    # ends the job instead of hanging it. DeepSpeed's default for its world group, here for every group (gloo and
+    # NCCL); keep it above the longest wait a healthy job has (a checkpoint write). docs/multinode.md
+    timeout_s: float = 1800.0
 
 
 @dataclass
