@@ -160,6 +160,8 @@ def bring_up(n_nodes: int = 2) -> Cluster:
         for n in nodes:
             _sh("ip", "netns", "add", n.name)
             _sh("ip", "-n", n.name, "link", "set", "lo", "up")
+            # IPv4 only: no IPv6 link-local addresses, router solicitations or DAD on the link
+            _sh("ip", "netns", "exec", n.name, "sh", "-c", "echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6")
         if n_nodes != 2:
             raise ValueError("a veth pair joins exactly two nodes")
         a, b = nodes
