@@ -14,6 +14,7 @@ stopped at teardown and the namespaces are deleted, on failure too.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -149,9 +150,20 @@ def _wait_listening(cluster: Cluster, node: Node, port: int, timeout: float = 20
     raise RuntimeError(f"nothing listens on {node.addr}:{port} in {node.name} after {timeout:.0f} s")
 
 
+def remove_stale() -> None:
+    """Namespaces (and what runs in them) a killed test session left: named `k3n<its pid>x...`, that pid gone."""
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for ns in (line.split()[0] for line in out.splitlines() if line.strip()):
+        m = re.fullmatch(r"k3n(\d+)x\w+", ns)
+        if m and not os.path.exists(f"/proc/{m.group(1)}"):
+            kill_namespace_processes(ns)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
 def bring_up(n_nodes: int = 2) -> Cluster:
     """Namespaces, the link between them, keys, an sshd per node; the caller must `stop()` it (also on error)."""
-    tag = uuid.uuid4().hex[:6]
+    remove_stale()
+    tag = f"{os.getpid()}x{uuid.uuid4().hex[:4]}"
     root = Path(tempfile.mkdtemp(prefix="k3-cluster-"))
     os.chmod(root, 0o700)
     nodes = [Node(f"k3n{tag}{i + 1}", f"{SUBNET}.{i + 1}") for i in range(n_nodes)]
