@@ -73,7 +73,7 @@ SHARED = {
 # collection order (all of them are short).
 FIRST = (
     "test_documented_commands.py",  # 280
-    "multinode",  # 242 at load average 14 on the shared 2-core machine (84 + 67 + 41 + 39 + 10; ~100 CPU-s)
+    "multinode",  # 242-256 at load average 14-19 on the shared 2-core machine (88 + 71 + 46 + 42 + 9); idle: less
     "distributed/test_zero3_ep.py",  # 123 in a new virtualenv (~65 of it DeepSpeed's CPU Adam JIT build), else 53
     "ep2_ref",  # 70 + 31
     "ref_run",  # 44 + 32 + 23
