@@ -124,7 +124,7 @@ def hydra_main(cfg: DictConfig) -> None:
             file=sys.stderr,
             flush=True,
         )
-        os._exit(4)  # not sys.exit: the process group's teardown would wait out every queued collective in turn
+        os._exit(4)  # not sys.exit: the process group's teardown can block on collectives still queued to the peer
 
 
 def cpu_threads_per_rank() -> int:
