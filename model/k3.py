@@ -23,6 +23,7 @@ from model.ffn import SiTUGLU
 from model.kda import KDA, KDACache
 from model.loss import IGNORE_INDEX, LMHead
 from model.mla import GatedMLA, MLACache
+from model.moe.grouped import resolve_backend
 from model.moe.layer import LatentMoE
 from model.mtp import add_mtp_inputs, mtp_losses
 from model.norm import RMSNorm, upcast
@@ -343,6 +344,15 @@ class K3ForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, SiTUGLU):
                 m.tile_rows = int(tokens)
+
+    def set_expert_backend(self, name: str) -> None:
+        """Routed-expert GEMMs: `grouped_mm` (one torch.nn.functional.grouped_mm per weight, offsets on the device,
+        no host sync), `loop` (per-expert GEMMs over host counts, the CPU's fastest), `auto` (grouped_mm on CUDA,
+        loop on CPU). A runtime choice (Hydra `model.expert_backend`), not part of the model's config.json."""
+        resolve_backend(name, torch.device("cpu"))  # validates the name
+        for m in self.modules():
+            if isinstance(m, LatentMoE) and hasattr(m.dispatcher, "backend"):
+                m.dispatcher.backend = name
 
     def set_mixer_tiling(self, tokens: int) -> None:
         """`tokens` > 0: every KDA mixer runs its chunked core over tiles of `tokens` (a multiple of the chunk size),

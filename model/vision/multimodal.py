@@ -58,6 +58,9 @@ class K3ForConditionalGeneration(nn.Module):
     def set_mixer_tiling(self, tokens: int) -> None:
         self.language_model.set_mixer_tiling(tokens)
 
+    def set_expert_backend(self, name: str) -> None:
+        self.language_model.set_expert_backend(name)
+
     # --- images -------------------------------------------------------------------------------------------------
     def image_features(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> torch.Tensor:
         """Packed patches [N, 3, p, p] + grid_thws [n, 3] -> LM-width features [M, d], images in order."""

@@ -52,7 +52,9 @@ class _ExpertParallelMoE(torch.autograd.Function):
         send = counts_E.view(P, El).sum(1).tolist()
         recv = recv_PE.sum(1).tolist()
         # regroup received rows by local expert (stable: source-rank order inside an expert)
-        local_id = torch.repeat_interleave(torch.arange(El, device=z_NL.device).repeat(P), recv_PE.reshape(-1))
+        local_id = torch.repeat_interleave(  # output_size: the row count is known on the host (no sync)
+            torch.arange(El, device=z_NL.device).repeat(P), recv_PE.reshape(-1), output_size=sum(recv)
+        )
         perm_R = torch.argsort(local_id, stable=True)
         counts = recv_PE.sum(0).tolist()
 
