@@ -184,21 +184,30 @@ class Balancer:
         """Apply one optimizer step's *global* statistics to the bias (quantile, sign; aux/none: no-op).
 
         Returns the exact QB estimate error (max over experts of |fraction of margins below the new bias - k/E|,
-        before centring), else None. A step without tokens leaves the bias unchanged.
-        """
+        before centring), else None. A step without tokens leaves the bias unchanged. One host read (the error);
+        the trainer calls `update_on_device` for all layers and reads their errors together."""
+        err = self.update_on_device(stats)
+        return None if err is None else float(err)
+
+    @torch.no_grad()
+    def update_on_device(self, stats: BalanceStats) -> torch.Tensor | None:
+        """`update` without any host read: the error, where there is one, as a 0-d tensor on the bias' device."""
         bias = self.bias
-        load_E = stats.counts_E.to(bias.device).double()
-        if float(load_E.sum()) <= 0 or self.mode not in ("sign", "quantile"):
+        if self.mode not in ("sign", "quantile"):
             return None
-        if self.mode == "sign":
+        load_E = stats.counts_E.to(bias.device).double()
+        has_tokens = load_E.sum() > 0  # on the device: a step without tokens keeps the bias (torch.where below)
+        if self.mode == "sign":  # sign(mean - load) is 0 everywhere when there are no tokens
             bias.add_(self.gamma * torch.sign(load_E.mean() - load_E).to(bias.dtype))
             return None
         q = self.k / self.num_experts
         err = None
         if stats.margins_NE is not None:
             r_NE = stats.margins_NE.to(bias.device)
+            if r_NE.shape[0] == 0:  # no tokens (a shape: known on the host)
+                return None
             new_b = exact_quantile(r_NE, q)
-            err = float(((r_NE < new_b).double().mean(0) - q).abs().max())
+            err = ((r_NE < new_b).double().mean(0) - q).abs().max()
         elif stats.hist_EB is not None:
             new_b = histogram_quantile(stats.hist_EB.to(bias.device), *histogram_range(bias), q)
         else:
@@ -206,5 +215,5 @@ class Balancer:
                 "quantile balancing needs margins or a histogram in BalanceStats; pass the "
                 "statistics returned by this balancer's observe()"
             )
-        bias.copy_((new_b - new_b.mean()).to(bias.dtype))
+        bias.copy_(torch.where(has_tokens, (new_b - new_b.mean()).to(bias.dtype), bias))
         return err

@@ -51,3 +51,19 @@ def test_loop_experts_read_their_counts_once_per_moe_layer(tiny):
 def test_packed_documents_read_cu_seqlens_once_per_micro_batch(tiny):
     counter = _syncs(tiny, "grouped_mm", packed=True)
     assert dict(counter.counts) == {"tolist": 1 + MLA_PACKED_READS}, counter.report()
+
+
+def test_balancing_reads_its_scalars_once_per_optimizer_step():
+    """Quantile Balancing (exact estimator) updates every MoE layer's bias on the device; the trainer reads the
+    layers' estimate errors for the metrics in one batched host read."""
+    from training import balance
+
+    torch.manual_seed(0)
+    model = K3ForCausalLM(K3Config.preset("tiny", num_hidden_layers=3, moe_balance_estimator="exact")).train()
+    ids = torch.randint(0, model.config.vocab_size, (1, T))
+    out = model(ids, labels=ids)
+    moes = model.moe_layers()
+    with count_syncs() as counter:
+        extra = balance.apply(moes, [s.balance for s in out.router_stats])
+    assert dict(counter.counts) == {"tolist": 1}, counter.report()
+    assert len(extra) == len(moes) and all(isinstance(d["qb_est_error"], float) for d in extra)
