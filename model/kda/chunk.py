@@ -59,7 +59,7 @@ def _exp_floored(x: torch.Tensor, floor_scale: float = 1.0) -> torch.Tensor:
     exactly 0 (x below the floor becomes -inf in the same pass): never a subnormal factor. In place on x (callers
     pass a fresh temporary). floor_scale 1/2: for the two factors of a strip product, whose product then is 0 or
     >= 1e-30 (a dropped product is < 1e-15 times the operands, far below fp32 resolution of the O(1) scores)."""
-    return torch.nn.functional.threshold_(x, floor_scale * EXP_FLOOR[x.dtype], -math.inf).exp_()
+    return torch.nn.functional.threshold(x, floor_scale * EXP_FLOOR[x.dtype], -math.inf, inplace=True).exp_()
 
 
 _TINY_DOUBLE = [1e-300]  # in a list: Python must not fold the probe's product at compile time

@@ -151,10 +151,11 @@ class KDA(nn.Module):
         B, t, _ = x_BTD.shape
         T = t * shard.size if shard is not None else t  # the whole sequence the mixer core sees
         H, K = self.num_heads, self.head_dim
-        if cu_seqlens is not None and cu_seqlens_host is None:
-            cu_seqlens_host = cu_seqlens.tolist()
-        if cu_seqlens is not None and (cu_seqlens.dim() != 1 or cu_seqlens_host[0] != 0 or cu_seqlens_host[-1] != T):
-            raise ValueError(f"cu_seqlens must be 1-D cumulative lengths from 0 to T={T}, got {cu_seqlens_host}")
+        if cu_seqlens is not None:
+            cu = cu_seqlens.tolist() if cu_seqlens_host is None else cu_seqlens_host
+            if cu_seqlens.dim() != 1 or cu[0] != 0 or cu[-1] != T:
+                raise ValueError(f"cu_seqlens must be 1-D cumulative lengths from 0 to T={T}, got {cu}")
+            cu_seqlens_host = cu
         seg_T = segment_starts(cu_seqlens, T) if cu_seqlens is not None else None
         heads = head_slice(shard, H) if shard is not None else slice(0, H)
         h = heads.stop - heads.start
