@@ -105,3 +105,11 @@ def test_expert_backend_is_a_runtime_choice_validated_by_name():
     assert "expert_backend" not in model.config.to_hf_config()  # never in the exported config.json
     with pytest.raises(ValueError, match="auto\\|grouped_mm\\|loop"):
         model.set_expert_backend("cutlass")
+
+
+def test_unknown_expert_backend_fails_at_validation_in_one_line():
+    from training.config import TrainConfigError, compose, validate
+
+    with pytest.raises(TrainConfigError, match="model.expert_backend must be auto\\|grouped_mm\\|loop"):
+        validate(compose(["model.expert_backend=cutlass"]), 1)
+    validate(compose(["model.expert_backend=grouped_mm"]), 1)  # a valid name composes and validates
