@@ -9,7 +9,10 @@ but the same code runs, so the count measured here is the count a CUDA run pays 
 - `aten.bincount` (its output length depends on max(x) unless `minlength` covers it; CUDA reads it on the host);
 - `aten.repeat_interleave.Tensor` without `output_size` (the output length is sum(repeats));
 - `Tensor.tolist()`, which copies to the host without going through the dispatcher (wrapped at Python level while
-  the context is open).
+  the context is open);
+- `masked_select` and `unique`, whose output sizes depend on the data too.
+
+Not counted: explicit device->host copies (`.cpu()`), which are syncs on a GPU but plain copies on a CPU-only run.
 
 `no_subnormals()` checks the output of every aten op for fp32/fp64 values with 0 < |x| < finfo.tiny: on x86 cores
 arithmetic on such operands takes a microcode assist (10-100x slower per op; docs/performance.md, "Denormals").
@@ -31,6 +34,10 @@ SYNC_OPS = {
     _aten._local_scalar_dense.default: "item",
     _aten.nonzero.default: "nonzero",
     _aten.bincount.default: "bincount",
+    # other ops whose output size depends on the data (not in the list; counted all the same)
+    _aten.masked_select.default: "masked_select",
+    _aten._unique2.default: "unique",
+    _aten.unique_consecutive.default: "unique",
 }
 
 
