@@ -7,6 +7,9 @@ renormalised: what DeepSpeed's gate does; no capacity, no token dropping, no RNG
 - `ours`: `model.moe.dispatch.LocalDispatcher()` as the model uses it (stable sort by expert, rows gathered and
   run block by block, one autograd node with a hand-written backward that recomputes the GLU inputs: 11 GEMMs
   per expert); `keep`: the same with `recompute=False` (keeps the GLU inputs: the 9 GEMMs DeepSpeed runs too);
+- `grouped_mm`: `LocalDispatcher(backend="grouped_mm")` (model/moe/grouped.py: one torch grouped_mm per weight,
+  offsets on the device, plain autograd), the GPU's backend; `grouped_mm/loop` > 1 means the CPU keeps the loop
+  (`model.expert_backend=auto`);
 - `deepspeed`: `deepspeed.moe.layer.MoE(expert, drop_tokens=False, use_rts=False)`, its gate fed the same logits
   (k=2 -> top2gating without 2nd-expert sampling, k>=3 -> topkgating). Dropless DeepSpeed pads every expert to
   the busiest expert's load.
@@ -255,6 +258,7 @@ def run_config(
     peers = {
         "ours": (ours(LocalDispatcher()), params_ours),
         "keep": (ours(LocalDispatcher(recompute=False)), params_ours),
+        "grouped_mm": (ours(LocalDispatcher(backend="grouped_mm")), params_ours),  # model.expert_backend
     }
     if run_ds:
         peers["deepspeed"] = (fwd_ds, params_ds)
@@ -284,7 +288,7 @@ def run_config(
     ds_reps = max(1, min(reps, int(reps * 4 * N * k / max(E * capacity, 1))))  # fewer when DeepSpeed pads a lot
     t = time_interleaved(
         {**{name: step(*peer) for name, peer in peers.items()}, "gemm_floor": floor},
-        reps={"ours": reps, "keep": reps, "deepspeed": ds_reps, "gemm_floor": reps},
+        reps={"ours": reps, "keep": reps, "grouped_mm": reps, "deepspeed": ds_reps, "gemm_floor": reps},
         warmup=0,
     )
     gemm_frac = expert_gemm_fraction(floor, 18.0 * M * d * Im, reps)
@@ -311,6 +315,9 @@ def run_config(
         "ds_ran": run_ds,
         "ours_ms": t["ours"].median * 1e3,
         "keep_ms": t["keep"].median * 1e3,
+        "grouped_mm_ms": t["grouped_mm"].median * 1e3,
+        "grouped_mm/loop": t["grouped_mm"].median / t["ours"].median,  # > 1: the loop backend is faster
+        "grouped_mm_err_out": float((meas["grouped_mm"]["y"] - o["y"]).abs().max() / o["y"].abs().max()),
         "ds_ms": tds * 1e3,
         "speedup": tds / t["ours"].median,
         "speedup_keep": tds / t["keep"].median,
@@ -403,6 +410,8 @@ def main(argv: list[str] | None = None) -> None:
         "ds_pad_factor",
         "ours_ms",
         "keep_ms",
+        "grouped_mm_ms",
+        "grouped_mm/loop",
         "ds_ms",
         "gemm_floor_ms",
         "speedup",

@@ -11,6 +11,7 @@ of the embedding, the completed block sums and the running partial sum; with it 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +24,7 @@ from model.ffn import SiTUGLU
 from model.kda import KDA, KDACache
 from model.loss import IGNORE_INDEX, LMHead
 from model.mla import GatedMLA, MLACache
+from model.moe.grouped import resolve_backend
 from model.moe.layer import LatentMoE
 from model.mtp import add_mtp_inputs, mtp_losses
 from model.norm import RMSNorm, upcast
@@ -189,11 +191,23 @@ class K3DecoderLayer(nn.Module):
     def _mix(self, candidates: list[torch.Tensor], proj: nn.Linear, norm: RMSNorm) -> torch.Tensor:
         return attn_res_mix(candidates, proj.weight[0], norm.weight, norm.eps)
 
+    def _attn(self, x_BTD: torch.Tensor, cu_seqlens, cache, cu_seqlens_host: list[int] | None) -> torch.Tensor:
+        """The mixer; packed documents come with their boundaries on the host (read once per micro-batch by
+        K3ForCausalLM.forward). GatedMLA takes `cu_seqlens_host` once its packed path does (issue 35, i35b)."""
+        if cu_seqlens is not None and isinstance(self.self_attn, KDA):
+            return self.self_attn(x_BTD, cu_seqlens=cu_seqlens, cache=cache, cu_seqlens_host=cu_seqlens_host)
+        return self.self_attn(x_BTD, cu_seqlens=cu_seqlens, cache=cache)
+
     def _forward(
-        self, blocks: list[torch.Tensor], partial: torch.Tensor, cu_seqlens: torch.Tensor | None, cache
+        self,
+        blocks: list[torch.Tensor],
+        partial: torch.Tensor,
+        cu_seqlens: torch.Tensor | None,
+        cache,
+        cu_seqlens_host: list[int] | None = None,
     ) -> tuple[list[torch.Tensor], torch.Tensor, object]:
         if not self.attn_res_block_size:  # plain PreNorm residual stack; `partial` is the residual stream h
-            h = partial + self.self_attn(self.input_layernorm(partial), cu_seqlens=cu_seqlens, cache=cache)
+            h = partial + self._attn(self.input_layernorm(partial), cu_seqlens, cache, cu_seqlens_host)
             y, stats = self._ffn(self.post_attention_layernorm(h))
             return blocks, h + y, stats
         # Block AttnRes, docs/model.md §6 (never mutates the caller's list: recomputation under checkpointing
@@ -203,7 +217,7 @@ class K3DecoderLayer(nn.Module):
             if not blocks
             else self._mix(blocks + [partial], self.self_attention_res_proj, self.self_attention_res_norm)
         )
-        a = self.self_attn(self.input_layernorm(h_in), cu_seqlens=cu_seqlens, cache=cache)
+        a = self._attn(self.input_layernorm(h_in), cu_seqlens, cache, cu_seqlens_host)
         if self.layer_idx % self.attn_res_block_size == 0:  # close the block (layer 0 closes b_0 = embedding)
             blocks, partial = blocks + [partial], a
         else:
@@ -219,18 +233,20 @@ class K3DecoderLayer(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         cache=None,
         host_copies: HostCopies | None = None,
+        cu_seqlens_host: list[int] | None = None,
     ) -> tuple[list[torch.Tensor], torch.Tensor, object]:
         """(completed blocks, partial sum) -> updated (blocks, partial, RouterStats | None).
 
         Under activation checkpointing the backward re-runs `_forward`; its RouterStats are simply discarded,
         so the routing of a micro-batch is counted once. `host_copies`: the forward's shared host copies when
         the checkpoints are offloaded (`checkpoint_offload`)."""
+        fwd = functools.partial(self._forward, cu_seqlens_host=cu_seqlens_host)
         if self.gradient_checkpointing and self.training and cache is None and torch.is_grad_enabled():
             if self.checkpoint_offload:
                 copies = host_copies if host_copies is not None else {}
-                return checkpoint_on_host(self._forward, blocks, partial, cu_seqlens, copies)
-            return checkpoint(self._forward, blocks, partial, cu_seqlens, None, use_reentrant=False)
-        return self._forward(blocks, partial, cu_seqlens, cache)
+                return checkpoint_on_host(fwd, blocks, partial, cu_seqlens, copies)
+            return checkpoint(fwd, blocks, partial, cu_seqlens, None, use_reentrant=False)
+        return fwd(blocks, partial, cu_seqlens, cache)
 
 
 class K3Model(nn.Module):
@@ -267,15 +283,19 @@ class K3Model(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         cache: K3Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        cu_seqlens_host: list[int] | None = None,
     ) -> tuple[torch.Tensor, list]:
-        """`inputs_embeds` [B, T, D] replaces the embedding lookup (images scattered in: model/vision)."""
+        """`inputs_embeds` [B, T, D] replaces the embedding lookup (images scattered in: model/vision);
+        `cu_seqlens_host`: cu_seqlens as Python ints (K3ForCausalLM.forward reads them once), for every mixer."""
         blocks: list[torch.Tensor] = []
         partial = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [B, T, D]
         stats = []
         copies: HostCopies = {}  # host copies of offloaded checkpoint inputs, shared by this forward's layers
         for i, layer in enumerate(self.layers[: self.config.num_hidden_layers]):
             layer_cache = None if cache is None else cache.layers[i]
-            blocks, partial, s = layer(blocks, partial, cu_seqlens, layer_cache, host_copies=copies)
+            blocks, partial, s = layer(
+                blocks, partial, cu_seqlens, layer_cache, host_copies=copies, cu_seqlens_host=cu_seqlens_host
+            )
             if s is not None:
                 stats.append(s)
         if self.config.attn_res_enabled:
@@ -344,6 +364,15 @@ class K3ForCausalLM(nn.Module):
             if isinstance(m, SiTUGLU):
                 m.tile_rows = int(tokens)
 
+    def set_expert_backend(self, name: str) -> None:
+        """Routed-expert GEMMs: `grouped_mm` (one torch.nn.functional.grouped_mm per weight, offsets on the device,
+        no host sync), `loop` (per-expert GEMMs over host counts, the CPU's fastest), `auto` (grouped_mm on CUDA,
+        loop on CPU). A runtime choice (Hydra `model.expert_backend`), not part of the model's config.json."""
+        resolve_backend(name, torch.device("cpu"))  # validates the name
+        for m in self.modules():
+            if isinstance(m, LatentMoE) and hasattr(m.dispatcher, "backend"):
+                m.dispatcher.backend = name
+
     def set_mixer_tiling(self, tokens: int) -> None:
         """`tokens` > 0: every KDA mixer runs its chunked core over tiles of `tokens` (a multiple of the chunk size),
         each recomputed on its own in backward (model/kda/tiled.py); 0: off."""
@@ -361,7 +390,7 @@ class K3ForCausalLM(nn.Module):
             layer.checkpoint_offload = bool(enabled and offload)
 
     # --- forward -----------------------------------------------------------------------------------------------
-    def _check_inputs(self, input_ids, labels, cu_seqlens, cache, targets) -> None:
+    def _check_inputs(self, input_ids, labels, cu_seqlens, cache, targets, cu_host=None) -> None:
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(
                 f"input_ids must be an int64 tensor [batch, seq], got {input_ids.dtype} "
@@ -390,8 +419,8 @@ class K3ForCausalLM(nn.Module):
                     f"cu_seqlens needs batch size 1 (packed documents), got batch {input_ids.shape[0]}; "
                     "flatten the batch into one row"
                 )
-            if cu_seqlens.dim() != 1 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != T:
-                raise ValueError(f"cu_seqlens must be 1-D [0, ..., T={T}], got {cu_seqlens.tolist()}")
+            if cu_seqlens.dim() != 1 or cu_host[0] != 0 or cu_host[-1] != T:
+                raise ValueError(f"cu_seqlens must be 1-D [0, ..., T={T}], got {cu_host}")
             if cache is not None:
                 raise ValueError("cu_seqlens and cache cannot be combined; decode one document at a time")
 
@@ -403,16 +432,24 @@ class K3ForCausalLM(nn.Module):
         cache: K3Cache | None = None,
         targets: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        cu_seqlens_cpu: torch.Tensor | None = None,
     ) -> K3Output:
         """`labels` (HF: shifted here) or `targets` (position t's next-token id, -100 = not counted) give the
         loss; under `set_sequence_shard` input_ids/targets are this rank's slice, cu_seqlens the whole sequence's.
-        `inputs_embeds` (the embedded input_ids with image features scattered in) replaces the lookup."""
-        self._check_inputs(input_ids, labels, cu_seqlens, cache, targets)
+        `inputs_embeds` (the embedded input_ids with image features scattered in) replaces the lookup.
+        `cu_seqlens_cpu`: cu_seqlens' host copy where the caller has one (the data loader's): then nothing is read
+        from the device; else cu_seqlens is read once here, and every mixer gets the Python ints."""
+        cu_host = None
+        if cu_seqlens is not None:  # the one host read of the boundaries per micro-batch (docs/performance.md)
+            cu_host = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()
+        self._check_inputs(input_ids, labels, cu_seqlens, cache, targets, cu_host)
         wants_loss = labels is not None or targets is not None
         mtp = self.config.mtp_depth > 0 and wants_loss
         if mtp and inputs_embeds is None:  # the same lookup K3Model makes; the MTP depths reuse it
             inputs_embeds = self.model.embed_tokens(input_ids)
-        hidden_BTD, stats = self.model(input_ids, cu_seqlens=cu_seqlens, cache=cache, inputs_embeds=inputs_embeds)
+        hidden_BTD, stats = self.model(
+            input_ids, cu_seqlens=cu_seqlens, cache=cache, inputs_embeds=inputs_embeds, cu_seqlens_host=cu_host
+        )
         if cache is not None:
             cache.seen_tokens += input_ids.shape[1]
         loss = count = logits_BTV = mtp_loss = per_depth = counts = None
@@ -420,7 +457,7 @@ class K3ForCausalLM(nn.Module):
             targets_BT = targets if targets is not None else shift_targets(labels, cu_seqlens)  # type: ignore[arg-type]
             loss, count, logits_BTV = self.lm_loss(hidden_BTD, targets_BT)
             if mtp:
-                depths, mtp_stats = mtp_losses(self, hidden_BTD, inputs_embeds, targets_BT, cu_seqlens)
+                depths, mtp_stats = mtp_losses(self, hidden_BTD, inputs_embeds, targets_BT, cu_seqlens, cu_host)
                 stats = stats + mtp_stats
                 per_depth, counts = [d for d, _ in depths], [c for _, c in depths]
                 mtp_loss = self.mtp_weight * torch.stack(per_depth).mean()

@@ -120,15 +120,17 @@ def _sharded_inputs(shard: SequenceShard, embeds_BTD: torch.Tensor, targets_BT: 
     return torch.cat([embeds_BTD, emb_halo], dim=1), tgt_halo.squeeze(-1).round().to(targets_BT.dtype)
 
 
-def mtp_block(layer: Any, h_BTD: torch.Tensor, emb_BTD: torch.Tensor, cu_seqlens=None, cache=None):
+def mtp_block(layer: Any, h_BTD: torch.Tensor, emb_BTD: torch.Tensor, cu_seqlens=None, cache=None, cu_host=None):
     """One depth on aligned inputs: `h` the previous depth's hidden state, `emb` the embedding of the token to
     condition on. Returns (h_k pre-norm, RouterStats | None)."""
     x = layer.eh_proj(torch.cat([layer.enorm(emb_BTD), layer.hnorm(h_BTD)], dim=-1))
-    _, h, stats = layer([], x, cu_seqlens, cache)
+    _, h, stats = layer([], x, cu_seqlens, cache, cu_seqlens_host=cu_host)
     return h, stats
 
 
-def mtp_losses(lm: Any, hidden_BTD: torch.Tensor, embeds_BTD: torch.Tensor | None, targets_BT, cu_seqlens=None):
+def mtp_losses(
+    lm: Any, hidden_BTD: torch.Tensor, embeds_BTD: torch.Tensor | None, targets_BT, cu_seqlens=None, cu_host=None
+):
     """Per depth (mean CE, counted targets), and the MTP blocks' RouterStats, for a K3ForCausalLM `lm` whose main
     forward gave `hidden_BTD` (final-normed) from `embeds_BTD` with (shifted) `targets_BT`. Under sequence
     parallelism (`lm.sequence_shard`) these are this shard's: its positions' CE mean and count, the inputs and
@@ -147,7 +149,7 @@ def mtp_losses(lm: Any, hidden_BTD: torch.Tensor, embeds_BTD: torch.Tensor | Non
         else:
             emb = ext_BSD[:, k : k + t]
             tgt = depth_targets(targets_BT, k, cu_seqlens, halo_BD, shard.rank * t)
-        h, s = mtp_block(lm.model.layers[L + k - 1], h, emb, cu_seqlens)
+        h, s = mtp_block(lm.model.layers[L + k - 1], h, emb, cu_seqlens, cu_host=cu_host)
         if s is not None:
             stats.append(s)
         loss, count, _ = lm.lm_loss(lm.model.norm(h), tgt)

@@ -72,12 +72,11 @@ def _detached(s: BalanceStats) -> BalanceStats:
 
 def apply(moe_layers: Sequence[nn.Module], global_stats: Sequence[BalanceStats]) -> list[dict[str, float]]:
     """Each layer's balancer updates its router bias from the global statistics; returns per-layer extras
-    for the router metrics (the exact QB estimate error where there is one)."""
-    out = []
-    for moe, stats in zip(moe_layers, global_stats):
-        err = moe.balancer.update(stats)
-        out.append({} if err is None else {"qb_est_error": err})
-    return out
+    for the router metrics (the exact QB estimate error where there is one), read from the device together."""
+    errs = [moe.balancer.update_on_device(stats) for moe, stats in zip(moe_layers, global_stats)]
+    present = [e for e in errs if e is not None]
+    values = iter(torch.stack(present).tolist() if present else [])  # one host read per step
+    return [{} if e is None else {"qb_est_error": next(values)} for e in errs]
 
 
 def counts_LE(global_stats: Sequence[BalanceStats]) -> torch.Tensor | None:

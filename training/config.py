@@ -129,6 +129,7 @@ def _model_fields() -> list[tuple[str, Any, Any]]:
     out: list[tuple[str, Any, Any]] = [
         ("preset", str, field(default="tiny")),
         ("init_from", Optional[str], field(default=None)),
+        ("expert_backend", str, field(default="auto")),  # runtime: auto|grouped_mm|loop (model/moe/grouped.py)
     ]
     for f in dataclasses.fields(K3Config):
         # vision_config: true = the preset's tower; a mapping = VisionConfig fields; false = text-only; null = the
@@ -319,6 +320,9 @@ def build_model_config(cfg: DictConfig) -> K3Config:
     """K3Config from the `model` section; errors become one-line TrainConfigError."""
     m = OmegaConf.to_container(cfg.model, resolve=True, enum_to_str=True)
     preset, init_from = m.pop("preset"), m.pop("init_from")
+    backend = m.pop("expert_backend", None) or "auto"  # runtime (K3ForCausalLM.set_expert_backend), not config.json
+    if backend not in ("auto", "grouped_mm", "loop"):
+        raise TrainConfigError(f"model.expert_backend must be auto|grouped_mm|loop, got {backend!r}")
     overrides = {k: v for k, v in m.items() if v is not None}
     try:
         if init_from:

@@ -51,6 +51,7 @@ class MicroBatch:
     def model_inputs(self, device: torch.device) -> dict[str, torch.Tensor]:
         """Keyword arguments of K3ForCausalLM.forward (and K3ForConditionalGeneration's, with images)."""
         out = {"input_ids": self.ids_1N.to(device), "cu_seqlens": self.cu_seqlens.to(device)}
+        out["cu_seqlens_cpu"] = self.cu_seqlens.cpu()  # the loader's host copy: the model reads none from the device
         if self.pixel_values is not None and self.grid_thws is not None:
             out["pixel_values"], out["grid_thws"] = self.pixel_values.to(device), self.grid_thws.to(device)
             if self.media_offset is not None:

@@ -133,6 +133,7 @@ class Trainer:
         self.model.set_loss_tiling(int(t.loss_tile_tokens))  # tiled logits + CE: no [T, V] logits (model/loss.py)
         self.model.set_ffn_tiling(int(t.ffn_tile_tokens))  # FFN recompute over sequence tiles (model/ffn.py)
         self.model.set_mixer_tiling(int(t.mixer_tile_tokens))  # KDA core over recomputed tiles (model/kda/tiled.py)
+        self.model.set_expert_backend(str(cfg.model.get("expert_backend", "auto")))  # model/moe/grouped.py
         for lm in (m for m in self.model.modules() if isinstance(m, K3ForCausalLM)):
             lm.mtp_weight = float(t.mtp_weight)  # loss = main + mtp_weight x mean depth CE (model/mtp.py)
         self.frozen_params = freeze(self.model, [str(g) for g in t.freeze])  # before the optimizer sees them

@@ -27,14 +27,22 @@ T^T dW = -(T^T dU) S^T: one [C, V] triangular product and one state matmul inste
 
 from __future__ import annotations
 
+import contextlib
+import math
+from collections.abc import Iterator
+
 import torch
 
 from model.kda.block_lower import BlockLower
 
 # largest exponent one score factor may carry (fp32 max ~ e^88.7)
 EXP_LIMIT = {torch.float32: 80.0, torch.float64: 600.0}
-# smallest exponent worth evaluating: below it exp() is subnormal / zero, and CPU exp takes a ~30x slower path there
-EXP_FLOOR = {torch.float32: -87.0, torch.float64: -700.0}
+# decay factors below exp(floor) are flushed to exactly 0 (fp32: 1e-30, fp64: 1e-300). A factor near finfo.tiny
+# (1.2e-38) makes every product with it a subnormal, and x86 cores take a microcode assist per subnormal operand
+# or result (an Intel Xeon ran chunk 64 at T = 2048 7x slower on them; docs/performance.md, "Denormals"). 0 is a
+# normal operand, and a factor >= 1e-30 times an operand >= 1e-8 stays normal; the maths changes by < 1e-30 per
+# factor.
+EXP_FLOOR = {torch.float32: math.log(1e-30), torch.float64: math.log(1e-300)}
 
 
 def sub_block_size(C: int, max_abs_g: float, dtype: torch.dtype) -> int:
@@ -46,10 +54,44 @@ def sub_block_size(C: int, max_abs_g: float, dtype: torch.dtype) -> int:
     return 0
 
 
-def _exp_floored(x: torch.Tensor) -> torch.Tensor:
-    """exp(x) for x <= 0 terms whose underflow is harmless; the floor keeps CPU exp off its slow subnormal path.
-    Works in place on x (callers pass a fresh temporary)."""
-    return x.clamp_(min=EXP_FLOOR[x.dtype]).exp_()
+def _exp_floored(x: torch.Tensor, floor_scale: float = 1.0) -> torch.Tensor:
+    """exp(x) for x <= 0 terms whose underflow is harmless, with exp(x) < exp(floor_scale * EXP_FLOOR) flushed to
+    exactly 0 (x below the floor becomes -inf in the same pass): never a subnormal factor. In place on x (callers
+    pass a fresh temporary). floor_scale 1/2: for the two factors of a strip product, whose product then is 0 or
+    >= 1e-30 (a dropped product is < 1e-15 times the operands, far below fp32 resolution of the O(1) scores)."""
+    return torch.nn.functional.threshold(x, floor_scale * EXP_FLOOR[x.dtype], -math.inf, inplace=True).exp_()
+
+
+_TINY_DOUBLE = [1e-300]  # in a list: Python must not fold the probe's product at compile time
+
+
+def flush_denormals_enabled() -> bool:
+    """Whether this thread flushes subnormals to zero (x86 MXCSR FTZ/DAZ, set by torch.set_flush_denormal): a
+    Python float product, which runs on the same SSE unit, underflows to exactly 0 then. No tensor op, so
+    dispatch modes (bench/probes.py) never see it."""
+    return _TINY_DOUBLE[0] * 1e-10 == 0.0
+
+
+@contextlib.contextmanager
+def flush_denormals() -> Iterator[None]:
+    """Flush-to-zero on the calling thread for the kernel's duration, the caller's setting restored after.
+
+    The decay factors are kept out of the subnormal range by construction (`_exp_floored`), but products of
+    genuinely tiny interactions (rows ~60 apart in a 64-chunk under strong decay: exp(G_r - G_i) < 1e-38) still
+    underflow inside the batched matmuls of the UT transform; FTZ turns those into zeros (each < 1.2e-38) instead
+    of microcode assists. torch.set_flush_denormal is per-thread state: intra-op worker threads keep theirs
+    (docs/performance.md, "Denormals"), the autograd Function scopes it in forward and in backward, whichever
+    thread runs them."""
+    if flush_denormals_enabled():
+        yield
+        return
+    if not torch.set_flush_denormal(True):  # not x86 with SSE3: nothing to restore
+        yield
+        return
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -62,8 +104,9 @@ class _DecayFactors:
     P = exp(G_r - G_m), Q = exp(G_m - G_i) = 1 / P, both within exp(+-(S // 2) max|g|) <= exp(limit) (entries
     above the diagonal may overflow in the score matmul; `tril` drops them). The strip below diagonal block b
     (all later rows, columns of b) splits at b's last row e: exp(G_r - G_e) and exp(G_e - G_i) are both <= 1
-    (g <= 0), so flooring them changes nothing that matters. S == 0 (growth, or decay too strong even for
-    S = 2): one block with the exact [C, C, K] factor D = exp(G_r - G_i), zero above the diagonal.
+    (g <= 0), so flushing those below 1e-15 to zero (`_exp_floored`) changes nothing that matters. S == 0
+    (growth, or decay too strong even for S = 2): one block with the exact [C, C, K] factor D = exp(G_r - G_i),
+    zero above the diagonal.
 
     Three products serve the forward scores and all four backward terms: with M a causal weight matrix,
         scores:   A[r, i]  = sum_c (a P)_r (b Q)_i
@@ -75,13 +118,13 @@ class _DecayFactors:
     def __init__(self, G: torch.Tensor, S: int):
         *lead, C, K = G.shape
         self.exact = S == 0
-        self.G = G if self.exact else None  # the exact form's last_row_decay needs it
+        self.G = G  # cumulative decay: last_row_decay, and Gam (recomputed in backward) come from it
         self.S = C if self.exact else S
         self.n_s = C // self.S
         if self.exact:
             causal = torch.ones(C, C, dtype=torch.bool, device=G.device).tril()
             diff = G.unsqueeze(-2) - G.unsqueeze(-3)  # [..., r, i, K] = G_r - G_i
-            self.D = torch.where(causal[:, :, None], diff, torch.full_like(diff, -torch.inf)).exp_()
+            self.D = _exp_floored(torch.where(causal[:, :, None], diff, torch.full_like(diff, -torch.inf)))
             return
         G_blk = G.view(*lead, self.n_s, S, K)
         self.P = (G_blk - G_blk[..., S // 2 : S // 2 + 1, :]).exp_().view_as(G)  # [..., C, K]
@@ -90,7 +133,8 @@ class _DecayFactors:
         for b in range(self.n_s - 1):
             r0 = (b + 1) * S
             G_e = G[..., r0 - 1 : r0, :]
-            self.strips.append([_exp_floored(G[..., r0:, :] - G_e), _exp_floored(G_e - G[..., r0 - S : r0, :])])
+            P_s = _exp_floored(G[..., r0:, :] - G_e, 0.5)
+            self.strips.append([P_s, _exp_floored(G_e - G[..., r0 - S : r0, :], 0.5)])
 
     def _blk(self, x: torch.Tensor) -> torch.Tensor:
         return x.view(*x.shape[:-2], self.n_s, self.S, x.shape[-1])
@@ -148,19 +192,13 @@ class _DecayFactors:
         return Y
 
     def last_row_decay(self) -> torch.Tensor:
-        """E = exp(G_last - G) [..., C, K] (<= 1) from the factors (no extra exp pass; exact form: from G)."""
-        if self.exact:
-            G = self.G
-            assert G is not None  # kept by __init__ for the exact form
-            return _exp_floored(G[..., -1:, :] - G)
-        S = self.S
-        E = torch.empty_like(self.P)
-        # last block: exp(G_last - G_m) exp(G_m - G_i), both within range
-        torch.mul(self.Q[..., -S:, :], self.P[..., -1:, :], out=E[..., -S:, :])
-        # earlier blocks: exp(G_last - G_e) exp(G_e - G_i), both <= 1 (an underflowed factor means a tiny product)
-        for j, (P_s, Q_s) in enumerate(self.strips):
-            torch.mul(Q_s, P_s[..., -1:, :], out=E[..., j * S : (j + 1) * S, :])
-        return E
+        """E = exp(G_last - G) [..., C, K] (<= 1; < 1e-30 flushed to 0), from G: one exp pass. (The product of
+        the factors would cost no exp, but underflows into subnormals wherever the decay is strong.)"""
+        return _exp_floored(self.G[..., -1:, :] - self.G)
+
+    def gamma(self) -> torch.Tensor:
+        """Gam = exp(G) [..., C, K] (<= 1 for g <= 0; < 1e-30 flushed to 0)."""
+        return _exp_floored(self.G.clone())
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -182,8 +220,7 @@ def _forward_group(q, k, X0, G, beta, S_all, n0: int, S: int) -> tuple[torch.Ten
     A_qk = dec.scores(*qP, *kQ, diagonal=0)  # causal [C, C] per chunk, block form
     A_kk = dec.scores(*kP, *kQ, diagonal=-1)
     del qP, kP, kQ  # freed blocks are reused while still in cache (here and below)
-    # exp(G) (<= 1 for g <= 0), in place where the factors no longer need G (only the exact form keeps it)
-    Gam = _exp_floored(G.clone() if dec.exact else G)
+    Gam = dec.gamma()  # exp(G); G itself is kept (in dec) and Gam recomputed in backward: as many saved bytes
     E = dec.last_row_decay()  # exp(G_last - G)
     qg = q * Gam
     torch.mul(k, Gam, out=X0[..., :K])  # X0 = [kg | v]
@@ -200,7 +237,7 @@ def _forward_group(q, k, X0, G, beta, S_all, n0: int, S: int) -> tuple[torch.Ten
     # cheap products are recomputed in the backward: saving them costs more (DRAM traffic). Q becomes None, not
     # deleted: the saved structure (`_tensor_slots`) must be the same in the backward
     dec.Q = None  # type: ignore[assignment]
-    return o, [q, k, beta, Gam, X0, WU, Vp, dec, A_qk, A_kk, Tm]
+    return o, [q, k, beta, None, X0, WU, Vp, dec, A_qk, A_kk, Tm]
 
 
 def _state_forward(U, W, d, Kd, Vp, S_n) -> None:
@@ -227,9 +264,10 @@ def _state_backward(dVp, Kd, d, W, dS_n) -> None:
 def _backward_group(saved: list, S_all, dS_all, n0: int, do, outs) -> None:
     """Backward of one group (groups run last to first): reads dS_all[n0 + n], writes dS_all[n0..n0 + n - 1] and
     the group's slices of the input gradients `outs` = (dq, dk, dv, dg, dbeta) (dq: of the scaled q)."""
-    q, k, beta, Gam, X0, WU, Vp, dec, A_qk, A_kk, Tm = saved
+    q, k, beta, _, X0, WU, Vp, dec, A_qk, A_kk, Tm = saved
     N, K = q.shape[0], q.shape[-1]
     dec.Q = torch.reciprocal(dec.P) if not dec.exact else None  # type: ignore[assignment]
+    Gam = dec.gamma()
     qg = q * Gam
     E = dec.last_row_decay()
     Kd = k * E
@@ -322,6 +360,11 @@ class ChunkKDA(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, S0, C: int, S: int, scale: float):
+        with flush_denormals():
+            return ChunkKDA._forward(ctx, q, k, v, g, beta, S0, C, S, scale)
+
+    @staticmethod
+    def _forward(ctx, q, k, v, g, beta, S0, C: int, S: int, scale: float):
         B, T, H, K = q.shape
         V = v.shape[-1]
         X, N = B * H, T // C
@@ -357,6 +400,11 @@ class ChunkKDA(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, dS_N):
+        with flush_denormals():
+            return ChunkKDA._backward(ctx, do, dS_N)
+
+    @staticmethod
+    def _backward(ctx, do, dS_N):
         S_all, *tensors = ctx.saved_tensors
         slots = [slot for _, _, saved in ctx.groups for slot in _tensor_slots(saved)]
         for (container, key), t in zip(slots, tensors):  # the slots are the ones emptied in forward, in order

@@ -128,11 +128,17 @@ class KDA(nn.Module):
 
     # --- forward ----------------------------------------------------------------------------------------------
     def forward(
-        self, x_BTD: torch.Tensor, cu_seqlens: torch.Tensor | None = None, cache: KDACache | None = None
+        self,
+        x_BTD: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        cache: KDACache | None = None,
+        cu_seqlens_host: list[int] | None = None,
     ) -> torch.Tensor:
-        """With `sequence_shard` set, x holds this rank's T/N tokens and cu_seqlens the whole sequence's documents:
-        projections and gates run on the local tokens, the short conv and the recurrence on all T tokens of this
-        rank's head group (model/sequence.py), the output norm, gate and projection on the local tokens again."""
+        """`cu_seqlens_host`: the same boundaries as Python ints (read once per micro-batch by the model), so the
+        layer reads nothing from the device; None: read here, once. With `sequence_shard` set, x holds this
+        rank's T/N tokens and cu_seqlens the whole sequence's documents: projections and gates run on the local
+        tokens, the short conv and the recurrence on all T tokens of this rank's head group (model/sequence.py),
+        the output norm, gate and projection on the local tokens again."""
         if x_BTD.dim() != 3 or x_BTD.shape[-1] != self.config.hidden_size:
             raise ValueError(f"KDA expects x [B, T, {self.config.hidden_size}], got {tuple(x_BTD.shape)}")
         if cu_seqlens is not None and cache is not None:
@@ -145,8 +151,11 @@ class KDA(nn.Module):
         B, t, _ = x_BTD.shape
         T = t * shard.size if shard is not None else t  # the whole sequence the mixer core sees
         H, K = self.num_heads, self.head_dim
-        if cu_seqlens is not None and (cu_seqlens.dim() != 1 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != T):
-            raise ValueError(f"cu_seqlens must be 1-D cumulative lengths from 0 to T={T}, got {cu_seqlens.tolist()}")
+        if cu_seqlens is not None:
+            cu = cu_seqlens.tolist() if cu_seqlens_host is None else cu_seqlens_host
+            if cu_seqlens.dim() != 1 or cu[0] != 0 or cu[-1] != T:
+                raise ValueError(f"cu_seqlens must be 1-D cumulative lengths from 0 to T={T}, got {cu}")
+            cu_seqlens_host = cu
         seg_T = segment_starts(cu_seqlens, T) if cu_seqlens is not None else None
         heads = head_slice(shard, H) if shard is not None else slice(0, H)
         h = heads.stop - heads.start
@@ -177,7 +186,17 @@ class KDA(nn.Module):
             us, ws = [pre[n][0] for n in "qkv"], [pre[n][1] for n in "qkv"]
             shape = (h, K)
             o_BTHV = tiled_kda_mixer(
-                us, ws, g_BTHK, beta_BTH, self.tile_tokens, shape, cu_seqlens, seg_T, self.chunk_size
+                us,
+                ws,
+                g_BTHK,
+                beta_BTH,
+                self.tile_tokens,
+                shape,
+                cu_seqlens,
+                seg_T,
+                self.chunk_size,
+                lower_bound=self.gate_lower_bound,
+                cu_seqlens_host=cu_seqlens_host,
             )
             return self._output(x_BTD, o_BTHV.to(x_BTD.dtype), shard, B, t)
         q_BTHK = l2_normalize(convs["q"].view(B, T, h, K))
@@ -206,6 +225,8 @@ class KDA(nn.Module):
                 output_final_state=cache is not None,
                 cu_seqlens=cu_seqlens,
                 chunk_size=self.chunk_size,
+                lower_bound=self.gate_lower_bound,  # g in [bound, 0] by construction (decay)
+                cu_seqlens_cpu=cu_seqlens_host,
             )
         if cache is not None:
             assert state is not None  # output_final_state=True

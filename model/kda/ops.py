@@ -40,8 +40,9 @@ from model.kda.naive import naive_recurrent_kda
 # --------------------------------------------------------------------------------------------------------------
 # input checks and varlen packing
 # --------------------------------------------------------------------------------------------------------------
-def _check(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size: int | None) -> int:
-    """Validate shapes; return N, the number of sequences (B, or the number of cu_seqlens segments)."""
+def _check(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size: int | None, cu_host=None) -> int:
+    """Validate shapes; return N, the number of sequences (B, or the number of cu_seqlens segments). `cu_host`:
+    the same boundaries already on the host (a list or CPU tensor), read instead of cu_seqlens (no device sync)."""
     if q.dim() != 4:
         raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}; add the head dimension")
     B, T, H, K = q.shape
@@ -61,7 +62,7 @@ def _check(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size: int | None) 
             raise ValueError(f"cu_seqlens needs batch size 1 (packed sequences), got B={B}; flatten the batch first")
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
             raise ValueError("cu_seqlens must be a 1-D integer tensor [N+1] of cumulative lengths starting at 0")
-        cu = cu_seqlens.tolist()
+        cu = _host_list(cu_seqlens, cu_host)
         if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
             raise ValueError(f"cu_seqlens must be nondecreasing from 0 to T={T}, got {cu}")
         N = len(cu) - 1
@@ -70,6 +71,13 @@ def _check(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size: int | None) 
             f"initial_state must be [N, H, K, V] = [{N}, {H}, {K}, {v.shape[-1]}], got {tuple(initial_state.shape)}"
         )
     return N
+
+
+def _host_list(cu_seqlens: torch.Tensor, cu_host) -> list[int]:
+    """The boundaries as Python ints: from the host copy when the caller has one, else one device read."""
+    if cu_host is None:
+        return cu_seqlens.tolist()
+    return cu_host.tolist() if isinstance(cu_host, torch.Tensor) else [int(c) for c in cu_host]
 
 
 def _compute_dtype(*xs: torch.Tensor | None) -> torch.dtype:
@@ -83,11 +91,16 @@ def _pack(x: torch.Tensor, index_NT: torch.Tensor, valid_NT: torch.Tensor) -> to
     return torch.where(mask, y, torch.zeros((), dtype=y.dtype, device=y.device))
 
 
-def _varlen_layout(cu_seqlens: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _varlen_layout(
+    cu_seqlens: torch.Tensor, device: torch.device, cu_host: list[int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather index [N, T_max] into the packed sequence and the mask of real (non-padding) rows."""
     cu = cu_seqlens.to(device=device, dtype=torch.long)
     lengths = cu[1:] - cu[:-1]
-    t_max = max(int(lengths.max()), 1)
+    if cu_host is not None:
+        t_max = max(max((b - a for a, b in zip(cu_host, cu_host[1:])), default=1), 1)
+    else:
+        t_max = max(int(lengths.max()), 1)
     t_T = torch.arange(t_max, device=device)
     valid_NT = t_T[None, :] < lengths[:, None]
     index_NT = torch.where(valid_NT, cu[:-1, None] + t_T[None, :], torch.zeros_like(valid_NT, dtype=torch.long))
@@ -160,8 +173,12 @@ def recurrent_kda(
 # --------------------------------------------------------------------------------------------------------------
 # chunked form (the maths and its backward: model/kda/chunk.py)
 # --------------------------------------------------------------------------------------------------------------
-def _chunk_core(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, S_BHKV, scale: float, chunk_size: int):
-    """WY/UT chunked delta rule (docs/model.md §3) in the compute dtype; the kernel applies the query scale."""
+def _chunk_core(
+    q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, S_BHKV, scale: float, chunk_size: int, lower_bound: float | None = None
+):
+    """WY/UT chunked delta rule (docs/model.md §3) in the compute dtype; the kernel applies the query scale.
+    `lower_bound`: g is known to lie in [lower_bound, 0] (the K3 gate), so the sub-block size follows from it
+    instead of from the data (which would read max|g| on the host: a device sync per layer)."""
     B, T, H, K = q_BTHK.shape
     V = v_BTHV.shape[-1]
     C = chunk_size
@@ -172,15 +189,17 @@ def _chunk_core(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, S_BHKV, scale: float, 
         beta_BTH = F.pad(beta_BTH, (0, 0, 0, pad))
 
     S0_XKV = S_BHKV.reshape(B * H, K, V)
-    # positive g (growth) is outside the model's range; the exact form stays correct for it anyway
-    g_min, g_max = torch.aminmax(g_BTHK.detach()) if g_BTHK.numel() else (g_BTHK.new_zeros(()),) * 2
-    max_abs_g = float("inf") if float(g_max) > 0 else -float(g_min)
+    if lower_bound is not None:
+        max_abs_g = -float(lower_bound)
+    else:  # positive g (growth) is outside the model's range; the exact form stays correct for it anyway
+        g_min, g_max = torch.aminmax(g_BTHK.detach()) if g_BTHK.numel() else (g_BTHK.new_zeros(()),) * 2
+        max_abs_g = float("inf") if float(g_max) > 0 else -float(g_min)
     S = sub_block_size(C, max_abs_g, q_BTHK.dtype)
     o_BTHV, S_XKV = ChunkKDA.apply(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, S0_XKV, C, S, scale)
     return o_BTHV[:, :T], S_XKV.view(B, H, K, V)
 
 
-def _run(core, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, *args):
+def _run(core, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, *args, cu_host=None):
     """Shared wrapper: dtype policy, scale, varlen packing into a padded batch, output dtype."""
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -188,7 +207,8 @@ def _run(core, q, k, v, g, beta, scale, initial_state, output_final_state, cu_se
     scale = K**-0.5 if scale is None else scale
     q32, k32, v32, g32, b32 = (x.to(dt) for x in (q, k, v, g, beta))
     if cu_seqlens is not None:
-        index_NT, valid_NT = _varlen_layout(cu_seqlens, q.device)
+        host = None if cu_host is None else _host_list(cu_seqlens, cu_host)
+        index_NT, valid_NT = _varlen_layout(cu_seqlens, q.device, host)
         q32, k32, v32, g32, b32 = (_pack(x, index_NT, valid_NT) for x in (q32, k32, v32, g32, b32))
     n_seq = q32.shape[0]
     if initial_state is None:
@@ -212,14 +232,18 @@ def chunk_kda(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
+    lower_bound: float | None = None,
+    cu_seqlens_cpu: torch.Tensor | list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunkwise-parallel KDA (fla signature). Returns (o [B, T, H, V] in q's dtype, final state [N, H, K, V] or None).
 
     `cu_seqlens` (B == 1) marks packed documents: the state restarts from `initial_state[n]` (or zero) at every
-    boundary and one final state per document is returned. On CUDA with fla installed, fla's kernel runs instead
-    (its own chunk size).
+    boundary and one final state per document is returned; `cu_seqlens_cpu` (the same boundaries on the host, a CPU
+    tensor or list) spares the device read of them. `lower_bound`: the caller guarantees g >= lower_bound (the K3
+    gate), which fixes the kernel's sub-block size without reading g. On CUDA with fla installed, fla's kernel runs
+    instead (its own chunk size), given cu_seqlens on the device and cu_seqlens_cpu, so it reads no host copy.
     """
-    _check(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size)
+    _check(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, cu_seqlens_cpu)
     if _use_fla(q):
         fla_chunk = _fla_kda()[0]
         return fla_chunk(
@@ -232,5 +256,30 @@ def chunk_kda(
             initial_state=initial_state,
             output_final_state=output_final_state,
             cu_seqlens=cu_seqlens,
+            **_fla_host_boundaries(cu_seqlens, cu_seqlens_cpu),
         )
-    return _run(_chunk_core, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size)
+    return _run(
+        _chunk_core,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale,
+        initial_state,
+        output_final_state,
+        cu_seqlens,
+        chunk_size,
+        lower_bound,
+        cu_host=cu_seqlens_cpu,
+    )
+
+
+def _fla_host_boundaries(cu_seqlens: torch.Tensor | None, cu_host) -> dict:
+    """fla's `cu_seqlens_cpu` keyword (fla-core 0.6: spares its device->host copy) as a CPU int tensor."""
+    if cu_seqlens is None:
+        return {}
+    host = cu_host if cu_host is not None else cu_seqlens.cpu()  # one read here where the caller has no copy
+    if not isinstance(host, torch.Tensor):
+        host = torch.tensor(host, dtype=cu_seqlens.dtype)
+    return {"cu_seqlens_cpu": host.to(dtype=cu_seqlens.dtype)}

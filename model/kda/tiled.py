@@ -27,7 +27,7 @@ def tile_segments(cu: list[int], a: int, b: int) -> tuple[list[int], bool]:
     return [0, *inner, b - a], a not in cu
 
 
-def _tile(us, ws, g, beta, S0, a: int, seg_T, cu_local, scale, chunk_size, shape):
+def _tile(us, ws, g, beta, S0, a: int, seg_T, cu_local, scale, chunk_size, shape, lower_bound=None):
     """One tile's short conv + SiLU + L2 norms + chunked core. us: the tile's pre-conv q, k, v inputs [B, n, P] led
     by up to W-1 inputs before the tile (its conv prefix); ws: the conv weights [P, W]."""
     h, K = shape
@@ -39,7 +39,7 @@ def _tile(us, ws, g, beta, S0, a: int, seg_T, cu_local, scale, chunk_size, shape
         p0 = u.shape[1] - n
         prefix = F.pad(u[:, :p0], (0, 0, W - 1 - p0, 0))
         xs.append(F.silu(causal_depthwise_conv(u[:, p0:], w, prefix, seg)).view(u.shape[0], n, h, K))
-    cu = None if cu_local is None else torch.tensor(cu_local, device=g.device)
+    cu = None if cu_local is None else torch.tensor(cu_local, device=g.device)  # host -> device, no sync
     o, S = chunk_kda(
         l2_normalize(xs[0]),
         l2_normalize(xs[1]),
@@ -51,6 +51,8 @@ def _tile(us, ws, g, beta, S0, a: int, seg_T, cu_local, scale, chunk_size, shape
         output_final_state=True,
         cu_seqlens=cu,
         chunk_size=chunk_size,
+        lower_bound=lower_bound,
+        cu_seqlens_cpu=cu_local,
     )
     assert S is not None  # output_final_state=True
     return o, S if cu is None else S[-1:]
@@ -75,7 +77,7 @@ class TiledKDA(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, spec, uq, uk, uv, wq, wk, wv, g, beta):
-        tile, cu, seg_T, scale, chunk_size, (h, K) = spec
+        tile, cu, seg_T, scale, chunk_size, (h, K), lb = spec
         B, T = g.shape[:2]
         W = wq.shape[-1]
         dt = torch.float64 if uq.dtype == torch.float64 else torch.float32
@@ -89,7 +91,7 @@ class TiledKDA(torch.autograd.Function):
             S0 = _initial_state(carry, cu_local, continues)
             us = [u[:, a0:b] for u in (uq, uk, uv)]
             o_t, carry = _tile(
-                us, (wq, wk, wv), g[:, a:b], beta[:, a:b], S0, a, seg_T, cu_local, scale, chunk_size, (h, K)
+                us, (wq, wk, wv), g[:, a:b], beta[:, a:b], S0, a, seg_T, cu_local, scale, chunk_size, (h, K), lb
             )
             o.append(o_t)
             ctx.tiles.append((a, a0, b, cu_local, continues))
@@ -101,7 +103,7 @@ class TiledKDA(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, do):
         uq, uk, uv, wq, wk, wv, g, beta, *states = ctx.saved_tensors
-        _, _, seg_T, scale, chunk_size, shape = ctx.spec
+        _, _, seg_T, scale, chunk_size, shape, lb = ctx.spec
         du = [torch.zeros_like(u) for u in (uq, uk, uv)]
         dw = [torch.zeros_like(w) for w in (wq, wk, wv)]
         dg, dbeta = torch.empty_like(g), torch.empty_like(beta)
@@ -113,7 +115,7 @@ class TiledKDA(torch.autograd.Function):
                 g_t, b_t = g[:, a:b].detach().requires_grad_(), beta[:, a:b].detach().requires_grad_()
                 S_leaf = S_in.detach().requires_grad_()
                 S0 = _initial_state(S_leaf, cu_local, continues)
-                o_t, S_out = _tile(us, ws, g_t, b_t, S0, a, seg_T, cu_local, scale, chunk_size, shape)
+                o_t, S_out = _tile(us, ws, g_t, b_t, S0, a, seg_T, cu_local, scale, chunk_size, shape, lb)
                 outs, douts = [o_t], [do[:, a:b]]
                 if dcarry is not None:
                     outs.append(S_out)
@@ -140,11 +142,13 @@ def tiled_kda_mixer(
     seg_T: torch.Tensor | None = None,
     chunk_size: int = 64,
     scale: float | None = None,
+    lower_bound: float | None = None,
+    cu_seqlens_host: list[int] | None = None,
 ) -> torch.Tensor:
     """The KDA mixer core from the pre-conv q, k, v inputs `us` [B, T, h*K] and conv weights `ws` [h*K, W]: short
     conv + SiLU, L2 norms and `chunk_kda` (zero initial state), over tiles of `tile` tokens each recomputed on its
     own in backward (module docstring). `shape` = (h, K); `seg_T`: document starts (model/kda/layer.py)."""
     if tile <= 0:
         raise ValueError(f"mixer tiling needs tile > 0 tokens, got {tile}")
-    cu = None if cu_seqlens is None else [int(c) for c in cu_seqlens.tolist()]
-    return TiledKDA.apply((tile, cu, seg_T, scale, chunk_size, shape), *us, *ws, g, beta)
+    cu = None if cu_seqlens is None else cu_seqlens_host or [int(c) for c in cu_seqlens.tolist()]
+    return TiledKDA.apply((tile, cu, seg_T, scale, chunk_size, shape, lower_bound), *us, *ws, g, beta)

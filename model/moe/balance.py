@@ -32,6 +32,14 @@ from model.config import K3Config
 from model.moe.router import Router
 
 
+def count_per_expert(idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E] int64 occurrences of each id in idx: bincount's values as a fixed-size scatter_add, which (unlike
+    bincount, whose output size depends on max(idx)) never reads the data on the host."""
+    flat = idx.reshape(-1)
+    counts_E = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    return counts_E.scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def qb_margins(scores_NE: torch.Tensor, bias_E: torch.Tensor, k: int) -> torch.Tensor:
     """r_ij = alpha_i - s_ij with alpha_i the (k+1)-th largest of s_i + b: [N, E] in >= fp32."""
     s = scores_NE.detach()
@@ -51,16 +59,19 @@ def exact_quantile(r_NE: torch.Tensor, q: float) -> torch.Tensor:
     return sorted_NE[lo] * (1 - frac) + sorted_NE[hi] * frac
 
 
-def histogram_counts(r_NE: torch.Tensor, lo: float, hi: float, bins: int) -> torch.Tensor:
+def histogram_counts(r_NE: torch.Tensor, lo: float | torch.Tensor, hi: float | torch.Tensor, bins: int) -> torch.Tensor:
     """Per-expert counts of r over `bins` equal bins on [lo, hi), plus an under- and overflow bin: [E, bins+2]."""
     N, E = r_NE.shape
     width = (hi - lo) / bins
     b = torch.floor((r_NE.double() - lo) / width).clamp_(-1, bins).long() + 1  # 0 = underflow, bins+1 = overflow
-    flat = b + torch.arange(E, device=r_NE.device).unsqueeze(0) * (bins + 2)
-    return torch.bincount(flat.reshape(-1), minlength=E * (bins + 2)).view(E, bins + 2)
+    flat = (b + torch.arange(E, device=r_NE.device).unsqueeze(0) * (bins + 2)).reshape(-1)
+    counts = torch.zeros(E * (bins + 2), dtype=torch.long, device=r_NE.device)  # bincount without a host read
+    return counts.scatter_add_(0, flat, torch.ones_like(flat)).view(E, bins + 2)
 
 
-def histogram_quantile(counts_EB: torch.Tensor, lo: float, hi: float, q: float) -> torch.Tensor:
+def histogram_quantile(
+    counts_EB: torch.Tensor, lo: float | torch.Tensor, hi: float | torch.Tensor, q: float
+) -> torch.Tensor:
     """Value where the cumulative count reaches q*total, interpolated linearly inside its bin: [E] float64."""
     E, B2 = counts_EB.shape
     bins = B2 - 2
@@ -74,8 +85,9 @@ def histogram_quantile(counts_EB: torch.Tensor, lo: float, hi: float, q: float) 
     frac = ((target - before) / in_bin).clamp(0, 1)
     inner = (j - 1).double()  # index of the regular bin (-1 underflow, bins overflow)
     val = lo + (inner + frac) * width
-    val = torch.where(j == 0, torch.full_like(val, lo), val)
-    val = torch.where(j == B2 - 1, torch.full_like(val, hi), val)
+    lo_, hi_ = (torch.as_tensor(x, dtype=val.dtype, device=val.device) for x in (lo, hi))  # floats or 0-d
+    val = torch.where(j == 0, lo_, val)
+    val = torch.where(j == B2 - 1, hi_, val)
     return val.squeeze(1)
 
 
@@ -96,10 +108,11 @@ def sequence_aux_loss(scores_NE: torch.Tensor, expert_idx_NK: torch.Tensor, batc
     return coef * (f_BE * p_BE).sum(-1).mean()
 
 
-def histogram_range(bias_E: torch.Tensor) -> tuple[float, float]:
-    """The QB histogram's range, fixed by the current bias (the same on every rank and micro-batch of a step)."""
-    b = bias_E.double()
-    return float(b.min()) - 1.0, float(b.max()) + 1.0
+def histogram_range(bias_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The QB histogram's range, fixed by the current bias (the same on every rank and micro-batch of a step), as
+    0-d float64 tensors on the bias' device: the forward's histogram reads nothing on the host."""
+    lo, hi = torch.aminmax(bias_E.double())
+    return lo - 1.0, hi + 1.0
 
 
 @dataclass
@@ -152,7 +165,7 @@ class Balancer:
     @torch.no_grad()
     def observe(self, scores_NE: torch.Tensor, expert_idx_NK: torch.Tensor) -> BalanceStats:
         """This forward's statistics (counted once: the same counts serve balancing and metrics)."""
-        counts_E = torch.bincount(expert_idx_NK.reshape(-1), minlength=self.num_experts)
+        counts_E = count_per_expert(expert_idx_NK, self.num_experts)
         if self.mode != "quantile":
             return BalanceStats(counts_E)
         r_NE = qb_margins(scores_NE, self.bias, self.k)
@@ -171,21 +184,30 @@ class Balancer:
         """Apply one optimizer step's *global* statistics to the bias (quantile, sign; aux/none: no-op).
 
         Returns the exact QB estimate error (max over experts of |fraction of margins below the new bias - k/E|,
-        before centring), else None. A step without tokens leaves the bias unchanged.
-        """
+        before centring), else None. A step without tokens leaves the bias unchanged. One host read (the error);
+        the trainer calls `update_on_device` for all layers and reads their errors together."""
+        err = self.update_on_device(stats)
+        return None if err is None else float(err)
+
+    @torch.no_grad()
+    def update_on_device(self, stats: BalanceStats) -> torch.Tensor | None:
+        """`update` without any host read: the error, where there is one, as a 0-d tensor on the bias' device."""
         bias = self.bias
-        load_E = stats.counts_E.to(bias.device).double()
-        if float(load_E.sum()) <= 0 or self.mode not in ("sign", "quantile"):
+        if self.mode not in ("sign", "quantile"):
             return None
-        if self.mode == "sign":
+        load_E = stats.counts_E.to(bias.device).double()
+        has_tokens = load_E.sum() > 0  # on the device: a step without tokens keeps the bias (torch.where below)
+        if self.mode == "sign":  # sign(mean - load) is 0 everywhere when there are no tokens
             bias.add_(self.gamma * torch.sign(load_E.mean() - load_E).to(bias.dtype))
             return None
         q = self.k / self.num_experts
         err = None
         if stats.margins_NE is not None:
             r_NE = stats.margins_NE.to(bias.device)
+            if r_NE.shape[0] == 0:  # no tokens (a shape: known on the host)
+                return None
             new_b = exact_quantile(r_NE, q)
-            err = float(((r_NE < new_b).double().mean(0) - q).abs().max())
+            err = ((r_NE < new_b).double().mean(0) - q).abs().max()
         elif stats.hist_EB is not None:
             new_b = histogram_quantile(stats.hist_EB.to(bias.device), *histogram_range(bias), q)
         else:
@@ -193,5 +215,5 @@ class Balancer:
                 "quantile balancing needs margins or a histogram in BalanceStats; pass the "
                 "statistics returned by this balancer's observe()"
             )
-        bias.copy_((new_b - new_b.mean()).to(bias.dtype))
+        bias.copy_(torch.where(has_tokens, (new_b - new_b.mean()).to(bias.dtype), bias))
         return err

@@ -28,7 +28,9 @@ from typing import Protocol
 
 import torch
 
+from model.moe.balance import count_per_expert
 from model.moe.experts import LatentExperts, grouped_backward, grouped_forward
+from model.moe.grouped import group_offsets, grouped_mm_experts, resolve_backend
 from model.norm import upcast
 
 
@@ -44,14 +46,13 @@ def sort_by_expert(expert_idx_NK: torch.Tensor, num_experts: int) -> tuple[torch
     """(order_M, inverse_M, counts_E) for the M = N*K flattened (token, slot) pairs.
 
     order: stable argsort by expert id (pairs of one expert stay in token order); inverse: position of each
-    (token, slot) pair in the sorted list; counts: pairs per expert (bincount).
+    (token, slot) pair in the sorted list; counts: pairs per expert (on the device, no host sync).
     """
     flat_M = expert_idx_NK.reshape(-1)
     order_M = torch.argsort(flat_M, stable=True)
     inverse_M = torch.empty_like(order_M)
     inverse_M[order_M] = torch.arange(order_M.numel(), device=order_M.device)
-    counts_E = torch.bincount(flat_M, minlength=num_experts)
-    return order_M, inverse_M, counts_E
+    return order_M, inverse_M, count_per_expert(flat_M, num_experts)
 
 
 def combine_slots(y_NKL: torch.Tensor, weight_NK: torch.Tensor) -> torch.Tensor:
@@ -136,14 +137,28 @@ class _LocalMoE(torch.autograd.Function):
         return g_z, g_w, g_w1, g_w3, g_w2, None, None, None, None
 
 
+def _grouped_mm_moe(z_NL, weight_NK, expert_idx_NK, experts: LatentExperts) -> torch.Tensor:
+    """The `grouped_mm` backend (model/moe/grouped.py) with plain autograd: sort, gather, three grouped GEMMs,
+    combine in slot order; nothing read on the host."""
+    N, K = expert_idx_NK.shape
+    order_M, inverse_M, counts_E = sort_by_expert(expert_idx_NK, experts.num_local)
+    z_ML = z_NL.index_select(0, order_M // K)
+    y_ML = grouped_mm_experts(z_ML, group_offsets(counts_E), *experts.weights(), experts.beta1, experts.beta2)
+    return combine_slots(y_ML.index_select(0, inverse_M).view(N, K, -1), weight_NK).to(z_NL.dtype)
+
+
 class LocalDispatcher:
     """Dropless sort-based dispatch to experts that all live on this rank (expert_offset 0, num_local E).
 
     recompute=True (default) keeps only z for backward; False also keeps the GLU inputs (faster backward).
+    backend: `loop` (the fused node below, per-expert GEMMs over host counts), `grouped_mm` (one grouped GEMM
+    per weight, no host sync; plain autograd keeps its activations), `auto` (model/moe/grouped.py).
     """
 
-    def __init__(self, recompute: bool = True) -> None:
+    def __init__(self, recompute: bool = True, backend: str = "auto") -> None:
         self.recompute = recompute
+        resolve_backend(backend, torch.device("cpu"))  # validates the name
+        self.backend = backend
 
     def __call__(
         self, z_NL: torch.Tensor, expert_idx_NK: torch.Tensor, weight_NK: torch.Tensor, experts: LatentExperts
@@ -153,6 +168,8 @@ class LocalDispatcher:
                 f"LocalDispatcher needs all {experts.num_experts} experts on this rank, the module "
                 f"holds {experts.num_local}; plug an expert-parallel dispatcher into LatentMoE"
             )
+        if resolve_backend(self.backend, z_NL.device) == "grouped_mm":
+            return _grouped_mm_moe(z_NL, weight_NK, expert_idx_NK, experts)
         return _LocalMoE.apply(
             z_NL.contiguous(),
             weight_NK,
@@ -164,4 +181,4 @@ class LocalDispatcher:
         )
 
     def __repr__(self) -> str:
-        return f"LocalDispatcher(recompute={self.recompute})"
+        return f"LocalDispatcher(recompute={self.recompute}, backend={self.backend})"

@@ -268,6 +268,10 @@ class _GroupedExperts(torch.autograd.Function):
         return g_z, g_w1, g_w3, g_w2, None, None, None
 
 
+def _storage_key(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), tuple(t.shape), t.stride()
+
+
 class LatentExperts(nn.Module):
     """The routed experts held by this rank: global ids [expert_offset, expert_offset + num_local)."""
 
@@ -319,7 +323,8 @@ class LatentExperts(nn.Module):
         """Inside recompute_merged(): remember the made weights, by storage, for the pack hook."""
         if self._merged is not None:
             for w, t in zip(("w1", "w3", "w2"), merged):
-                self._merged[(t.data_ptr(), tuple(t.shape))] = w
+                self._merged[_storage_key(t)] = (w, False)
+                self._merged[_storage_key(t.transpose(1, 2))] = (w, True)  # grouped_mm saves the transposed view
 
     def _remake(self, w: str) -> torch.Tensor:
         """Weight `w` as weights() makes it (backward's re-make; MXFP4Experts dequantises too)."""
@@ -341,13 +346,14 @@ class LatentExperts(nn.Module):
         self._merged = {}
 
         def pack(t: torch.Tensor):
-            w = self._merged.get((t.data_ptr(), tuple(t.shape))) if self._merged is not None else None
-            return ("lora-merged", w) if w is not None else t
+            w = self._merged.get(_storage_key(t)) if self._merged is not None else None
+            return ("lora-merged", *w) if w is not None else t
 
         def unpack(saved):
             if isinstance(saved, tuple):
                 with torch.no_grad():
-                    return self._remake(saved[1])
+                    w = self._remake(saved[1])
+                return w.transpose(1, 2) if saved[2] else w
             return saved
 
         try:

@@ -20,7 +20,7 @@ from torch import nn
 
 from model.config import K3Config
 from model.ffn import SiTUGLU
-from model.moe.balance import Balancer, BalanceStats
+from model.moe.balance import Balancer, BalanceStats, count_per_expert
 from model.moe.dispatch import Dispatcher, LocalDispatcher
 from model.moe.experts import LatentExperts
 from model.moe.router import Router
@@ -86,7 +86,7 @@ class LatentMoE(nn.Module):
             balance = self.balancer.observe(route.scores_NE, route.expert_idx_NK)
             aux = self.balancer.aux_loss(route.scores_NE, route.expert_idx_NK, B)
         else:  # eval/decode: only the load counts
-            balance = BalanceStats(torch.bincount(route.expert_idx_NK.reshape(-1), minlength=self.num_experts))
+            balance = BalanceStats(count_per_expert(route.expert_idx_NK, self.num_experts))
         z_NL = self.routed_expert_down_proj(x_ND)
         with self.experts.recompute_merged():  # LoRA: merged expert weights re-made in backward, not kept
             u_NL = self.dispatcher(z_NL, route.expert_idx_NK, route.weight_NK, self.experts)

@@ -58,6 +58,9 @@ class K3ForConditionalGeneration(nn.Module):
     def set_mixer_tiling(self, tokens: int) -> None:
         self.language_model.set_mixer_tiling(tokens)
 
+    def set_expert_backend(self, name: str) -> None:
+        self.language_model.set_expert_backend(name)
+
     # --- images -------------------------------------------------------------------------------------------------
     def image_features(self, pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> torch.Tensor:
         """Packed patches [N, 3, p, p] + grid_thws [n, 3] -> LM-width features [M, d], images in order."""
@@ -129,6 +132,7 @@ class K3ForConditionalGeneration(nn.Module):
         cache=None,
         targets: torch.Tensor | None = None,
         media_offset: int | None = None,
+        cu_seqlens_cpu: torch.Tensor | None = None,
     ) -> K3Output:
         """The LM forward on `input_ids` with images; decode steps after an image prefill pass no images (the
         cache holds them), and a sampled `<|media_pad|>` there is an ordinary token. Sequence parallelism:
@@ -142,5 +146,11 @@ class K3ForConditionalGeneration(nn.Module):
         if labels is not None:  # an image position is never a target, whatever the labels say
             labels = labels.masked_fill(input_ids == self.media_id, -100)
         return self.language_model(
-            input_ids, labels=labels, cu_seqlens=cu_seqlens, cache=cache, targets=targets, inputs_embeds=embeds
+            input_ids,
+            labels=labels,
+            cu_seqlens=cu_seqlens,
+            cache=cache,
+            targets=targets,
+            inputs_embeds=embeds,
+            cu_seqlens_cpu=cu_seqlens_cpu,
         )

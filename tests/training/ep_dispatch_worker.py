@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from bench.probes import count_syncs  # noqa: E402
 from model.config import K3Config  # noqa: E402
 from model.moe.dispatch import LocalDispatcher  # noqa: E402
 from model.moe.experts import LatentExperts  # noqa: E402
@@ -36,7 +37,7 @@ def routing(kind: str, N: int, gen: torch.Generator) -> torch.Tensor:
     return scores.topk(K, dim=-1).indices
 
 
-def run_case(kind: str, dtype: torch.dtype, shares: list[int], rank: int) -> dict[str, float]:
+def run_case(kind: str, dtype: torch.dtype, shares: list[int], backend: str = "loop", *, rank: int) -> dict[str, float]:
     gen = torch.Generator().manual_seed(1234)
     cfg = K3Config.preset(
         "tiny", num_experts=E, num_experts_per_token=K, routed_expert_hidden_size=L, moe_intermediate_size=24
@@ -64,8 +65,10 @@ def run_case(kind: str, dtype: torch.dtype, shares: list[int], rank: int) -> dic
             getattr(local, w).copy_(getattr(full, w)[rank * El : (rank + 1) * El])
     z, w = z_NL[sl].clone().requires_grad_(), w_NK[sl].clone().requires_grad_()
     disp = AllToAllDispatcher(E)
-    u = disp(z, idx_NK[sl], w, local)
-    (u * g_NL[sl]).sum().backward()
+    disp.backend = backend  # model.expert_backend; the reference stays the local loop backend
+    with count_syncs() as syncs:
+        u = disp(z, idx_NK[sl], w, local)
+        (u * g_NL[sl]).sum().backward()
 
     def err(a: torch.Tensor, b: torch.Tensor) -> float:
         return float((a.detach().double() - b.detach().double()).abs().max()) if a.numel() else 0.0
@@ -76,6 +79,7 @@ def run_case(kind: str, dtype: torch.dtype, shares: list[int], rank: int) -> dic
         "grad_w": err(w.grad, w_ref.grad[sl]),
         "bytes_sent": float(disp.bytes_sent),
         "rows": float(shares[rank] * K),
+        "syncs": dict(syncs.counts),
     }
     out["grad_experts"] = max(
         err(getattr(local, n).grad, getattr(full, n).grad[rank * El : (rank + 1) * El]) for n in ("w1", "w3", "w2")
@@ -103,6 +107,11 @@ def main() -> None:
         "empty_experts_fp64": ("one_expert_per_rank_empty", torch.float64, [13, 19]),
         "no_tokens_on_rank1_fp64": ("random", torch.float64, [21, 0]),
         "random_fp32": ("random", torch.float32, [33, 33]),
+        # the grouped_mm expert backend (model/moe/grouped.py) on the expert ranks
+        "random_fp64_grouped": ("random", torch.float64, [37, 20], "grouped_mm"),
+        "empty_rank_fp64_grouped": ("empty", torch.float64, [17, 8], "grouped_mm"),
+        "no_tokens_on_rank1_fp64_grouped": ("random", torch.float64, [21, 0], "grouped_mm"),
+        "random_fp32_grouped": ("random", torch.float32, [33, 33], "grouped_mm"),
     }
     results = {name: run_case(*spec, rank=rank) for name, spec in cases.items()}
     torch.save(results, out_dir / f"rank{rank}.pt")

@@ -18,6 +18,7 @@ from training.launch import free_port
 WORKER = Path(__file__).with_name("ep_dispatch_worker.py")
 REPO = Path(__file__).resolve().parents[2]
 FP64_CASES = ["random_fp64", "skewed_fp64", "empty_rank_fp64", "empty_experts_fp64", "no_tokens_on_rank1_fp64"]
+FP64_CASES += ["random_fp64_grouped", "empty_rank_fp64_grouped", "no_tokens_on_rank1_fp64_grouped"]  # grouped_mm
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +85,18 @@ def test_bytes_sent_are_latent_width_rows(results):
     total = sum(results[r]["random_fp32"]["bytes_sent"] for r in range(2))
     rows = sum(results[r]["random_fp32"]["rows"] for r in range(2))
     assert total == rows * 2 * 16 * 4
+
+
+def test_grouped_mm_backend_fp32_matches_the_local_loop(results):
+    for r in range(2):
+        res = results[r]["random_fp32_grouped"]
+        assert res["out"] < 1e-6 and res["grad_z"] < 1e-6 and res["grad_w"] < 1e-6, (r, res)
+        assert res["grad_experts"] < 1e-6, (r, res)
+
+
+def test_expert_parallel_host_reads_are_the_split_sizes_only(results):
+    """One exchange per MoE layer and direction: the send and receive split sizes are read on the host, nothing
+    else (grouped_mm backend); the loop backend also reads its local experts' row counts."""
+    for r in range(2):
+        assert results[r]["random_fp32_grouped"]["syncs"] == {"tolist": 2}, results[r]["random_fp32_grouped"]
+        assert results[r]["random_fp32"]["syncs"] == {"tolist": 3}, results[r]["random_fp32"]

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from model.moe.dispatch import combine_slots, sort_by_expert
 from model.moe.experts import grouped_backward, grouped_forward
+from model.moe.grouped import group_offsets, grouped_mm_experts, resolve_backend
 from model.norm import upcast
 
 
@@ -52,32 +53,44 @@ class _ExpertParallelMoE(torch.autograd.Function):
         send = counts_E.view(P, El).sum(1).tolist()
         recv = recv_PE.sum(1).tolist()
         # regroup received rows by local expert (stable: source-rank order inside an expert)
-        local_id = torch.repeat_interleave(torch.arange(El, device=z_NL.device).repeat(P), recv_PE.reshape(-1))
+        local_id = torch.repeat_interleave(  # output_size: the row count is known on the host (no sync)
+            torch.arange(El, device=z_NL.device).repeat(P), recv_PE.reshape(-1), output_size=sum(recv)
+        )
         perm_R = torch.argsort(local_id, stable=True)
-        counts = recv_PE.sum(0).tolist()
+        grouped = resolve_backend(disp.backend, z_NL.device) == "grouped_mm"
+        # grouped_mm: the local experts' row offsets stay on the device; loop: their counts on the host
+        counts = group_offsets(recv_PE.sum(0)) if grouped else recv_PE.sum(0).tolist()
 
         z_ML = z_NL.index_select(0, order_M // K)  # [M, l] latent rows, send order
         p_M = upcast(weight_NK).reshape(-1).index_select(0, order_M)  # [M] routing weight of each row
         z_RL = _a2a(z_ML, recv, send, group).index_select(0, perm_R)  # [R, l] grouped by local expert
         p_R = _a2a(p_M, recv, send, group).index_select(0, perm_R)  # [R]
-        y_RL = grouped_forward(z_RL, counts, w1, w3, w2, beta1, beta2)
+        if grouped:
+            y_RL = grouped_mm_experts(z_RL, counts, w1, w3, w2, beta1, beta2)
+        else:
+            y_RL = grouped_forward(z_RL, counts, w1, w3, w2, beta1, beta2)
         y_back = _a2a(_unpermute(y_RL, perm_R), send, recv, group)  # [M, l] results in send order
         u_NL = combine_slots(y_back.index_select(0, inverse_M).view(N, K, y_back.shape[-1]), weight_NK)
 
-        ctx.save_for_backward(z_RL, p_R, w1, w3, w2, perm_R, inverse_M)
-        ctx.meta = (N, K, send, recv, counts, group, beta1, beta2, weight_NK.dtype)
+        ctx.save_for_backward(z_RL, p_R, w1, w3, w2, perm_R, inverse_M, *([counts] if grouped else []))
+        ctx.meta = (N, K, send, recv, None if grouped else counts, group, beta1, beta2, weight_NK.dtype)
         disp.bytes_sent = (z_ML.numel() + y_RL.numel()) * z_NL.element_size()
         return u_NL.to(z_NL.dtype)
 
     @staticmethod
     def backward(ctx, g_NL):  # type: ignore[override]
-        z_RL, p_R, w1, w3, w2, perm_R, inverse_M = ctx.saved_tensors
+        z_RL, p_R, w1, w3, w2, perm_R, inverse_M, *offs = ctx.saved_tensors
         N, K, send, recv, counts, group, beta1, beta2, w_dtype = ctx.meta
         order_M = torch.empty_like(inverse_M)
         order_M[inverse_M] = torch.arange(inverse_M.numel(), device=inverse_M.device)
         g_ML = g_NL.contiguous().index_select(0, order_M // K)  # [M, l] output grad of each row, send order
         g_RL = _a2a(g_ML, recv, send, group).index_select(0, perm_R)
-        g_zR, g_w1, g_w3, g_w2, g_pR = grouped_backward(z_RL, g_RL, counts, w1, w3, w2, beta1, beta2, row_weight_M=p_R)
+        if offs:  # grouped_mm backend: the expert maths' own autograd, recomputed from z (as the loop recomputes)
+            g_zR, g_w1, g_w3, g_w2, g_pR = _grouped_backward(z_RL, g_RL, p_R, offs[0], (w1, w3, w2), beta1, beta2)
+        else:
+            g_zR, g_w1, g_w3, g_w2, g_pR = grouped_backward(
+                z_RL, g_RL, counts, w1, w3, w2, beta1, beta2, row_weight_M=p_R
+            )
         g_zM = _a2a(_unpermute(g_zR, perm_R), send, recv, group)  # [M, l] back to the token's rank
         g_pM = _a2a(_unpermute(g_pR, perm_R), send, recv, group)  # [M]
         g_z_NKL = g_zM.index_select(0, inverse_M).view(N, K, g_zM.shape[-1])
@@ -86,6 +99,19 @@ class _ExpertParallelMoE(torch.autograd.Function):
             g_z.add_(g_z_NKL[:, k])
         g_w = g_pM.index_select(0, inverse_M).view(N, K).to(w_dtype)
         return g_z, g_w, g_w1, g_w3, g_w2, None, None, None, None
+
+
+def _grouped_backward(z_RL, g_RL, p_R, offs_E, weights, beta1: float, beta2: float):
+    """(g_z, g_w1, g_w3, g_w2, g_p) of sum_r p_r <g_r, y_r> for y = grouped_mm_experts(z): recompute y with a
+    graph and differentiate it (no host read: the offsets stay on the device)."""
+    with torch.enable_grad():
+        z = z_RL.detach().requires_grad_()
+        ws = [w.detach().requires_grad_() for w in weights]
+        y_RL = grouped_mm_experts(z, offs_E, *ws, beta1, beta2)
+        g_z, *g_ws = torch.autograd.grad(y_RL, [z, *ws], g_RL * p_R.unsqueeze(-1).to(g_RL.dtype), allow_unused=True)
+    g_p = (upcast(g_RL) * upcast(y_RL.detach())).sum(-1).to(p_R.dtype)  # <g, y>
+    g_ws = [torch.zeros_like(w) if g is None else g for w, g in zip(weights, g_ws)]
+    return (torch.zeros_like(z_RL) if g_z is None else g_z), *g_ws, g_p
 
 
 def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
@@ -122,6 +148,7 @@ class AllToAllDispatcher:
         self.num_experts = num_experts
         self.num_local = num_experts // self.ep_size
         self.bytes_sent = 0
+        self.backend = "auto"  # model.expert_backend (K3ForCausalLM.set_expert_backend): grouped_mm | loop | auto
 
     def __call__(
         self, z_NL: torch.Tensor, expert_idx_NK: torch.Tensor, weight_NK: torch.Tensor, experts
