@@ -5,6 +5,7 @@ Each returns table rows; on CPU (the dry run) each runs its code at toy sizes an
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import warnings
 from typing import Any, Callable, Iterator
@@ -217,14 +218,11 @@ def sync_check(seq: int, dev: str, preset: str) -> list[dict[str, Any]]:
     rows = []
     cases = [("unpacked", {})] if dev == "cuda" else []  # the dry run: the packed row only (a superset of reads)
     for name, kwargs in [*cases, (f"packed ({len(cu) - 1} docs)", {"cu_seqlens": cu})]:
-        if kwargs:  # the model reads cu_seqlens once per micro-batch where it accepts the host copy
-            kwargs["cu_seqlens_host"] = cu.tolist()
+        if kwargs and "cu_seqlens_host" in inspect.signature(model.forward).parameters:
+            kwargs["cu_seqlens_host"] = cu.tolist()  # the host copy, when the model takes it (read once per batch)
 
         def step(kwargs: dict[str, Any] = kwargs) -> None:
-            try:
-                out = model(ids, labels=ids, **kwargs)
-            except TypeError:  # a model without the cu_seqlens_host keyword reads cu_seqlens itself
-                out = model(ids, labels=ids, **{k: v for k, v in kwargs.items() if k != "cu_seqlens_host"})
+            out = model(ids, labels=ids, **kwargs)
             out.loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
