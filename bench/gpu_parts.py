@@ -118,8 +118,8 @@ def mla_check(T: int, reps: int, dev: str, preset: str) -> list[dict[str, Any]]:
                     y.float().square().mean().backward()
             return y
 
-        y = step()
-        res[backend] = (y.detach(), None if not backward else xi.grad.detach().clone(), time_fn(step, reps, warmup=1))
+        y = step()  # the warm-up call (compiles flex on CUDA); time_fn needs none after it
+        res[backend] = (y.detach(), None if not backward else xi.grad.detach().clone(), time_fn(step, reps, warmup=0))
     (y_d, g_d, t_d), (y_f, g_f, t_f) = res["per_document"], res["flex"]
     err = rel_err(y_f, y_d) if g_d is None else max(rel_err(y_f, y_d), rel_err(g_f, g_d))
     what = "fwd+bwd" if backward else "fwd"
@@ -155,7 +155,8 @@ def expert_check(seq: int, batch: int, reps: int, dev: str, preset: str) -> list
 
     cfg = K3Config.preset(preset)
     torch.manual_seed(0)
-    model = K3ForCausalLM(cfg).to(dev, torch.bfloat16).train()
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32  # the dry run: fp32 (CPU bf16 GEMMs are slow)
+    model = K3ForCausalLM(cfg).to(dev, dtype).train()
     if not hasattr(model, "set_expert_backend"):
         return [
             {
@@ -170,14 +171,14 @@ def expert_check(seq: int, batch: int, reps: int, dev: str, preset: str) -> list
     for name in ("loop", "grouped_mm"):
         model.set_expert_backend(name)
 
-        def step() -> float:
+        def step() -> torch.Tensor:
             model.zero_grad(set_to_none=True)
             out = model(ids, labels=ids)
             out.loss.backward()
             return out.loss.detach()
 
-        loss = step()
-        res[name] = (float(loss), time_fn(step, reps, warmup=1))
+        loss = step()  # the warm-up call
+        res[name] = (float(loss), time_fn(step, reps, warmup=0))
     (l_loop, t_loop), (l_g, t_g) = res["loop"], res["grouped_mm"]
     return [
         {
