@@ -8,7 +8,8 @@ MFU, peak memory vs the planner. Every part is guarded, so one failure still lea
 Numbers: host syncs of one bf16 train step of the small preset at T=--seq, one unpacked row and one packed row of
 mixed documents (`torch.cuda.set_sync_debug_mode("warn")` warnings; bench/gpu_parts.py). KDA fwd+bwd medians (B=1,
 T=8192, H=16, K=V=128, bf16 inputs); correctness as relative L2 error of o and of every input gradient vs the
-PyTorch chunked path in fp32. MLA: one small-preset layer (qk 192, v 128) over a packed row of --mla-seq tokens,
+PyTorch chunked path in fp32. MLA: one small-preset layer (qk 192, v 128) over a packed row of --mla-seq tokens
+(default --seq: the compiled flex kernel of the sync row's packed step is reused),
 bf16 fwd+bwd, compiled FlexAttention vs one SDPA call per document, outputs and input gradients compared. Experts:
 the small model's bf16 fwd+bwd at B=1, T=--seq with `set_expert_backend("grouped_mm")` vs `("loop")`. Train step:
 small preset, bf16 weights and AdamW (what DeepSpeed's bf16 mode computes with), MFU = model FLOPs
@@ -202,7 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--mla-seq", type=int, default=8192, help="packed row length of the MLA check")
+    ap.add_argument(
+        "--mla-seq", type=int, default=0, help="packed row length of the MLA check (0: --seq, one flex compile)"
+    )
     ap.add_argument(
         "--cpu-dry-run",
         action="store_true",
@@ -220,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = True
     rows: list[dict[str, Any]] = []
     t0 = time.time()
-    mla_seq = min(args.mla_seq, 4 * args.seq) if args.cpu_dry_run else args.mla_seq
+    mla_seq = args.mla_seq or (4 * args.seq if args.cpu_dry_run else args.seq)  # = the sync row's packed length
     for name, fn in (
         ("sync", lambda: sync_check(args.seq, dev, preset)),
         ("kda", lambda: kda_check(args.T, args.H, args.K, args.reps, dev)),
