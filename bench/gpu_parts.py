@@ -84,12 +84,12 @@ def packed_attention(backend: str) -> Iterator[None]:
 
 
 def doc_cu(total: int, dev: str) -> torch.Tensor:
-    """Documents of mixed odd lengths filling `total` tokens: a quarter of the row, then halving down to 1/64."""
+    """Documents of mixed odd lengths filling `total` tokens: a quarter of the row, then halving down to 1/16."""
     lens, left, n = [], total, max(1, total // 4)
     while left > 0:
         lens.append(min(n | 1, left))
         left -= lens[-1]
-        n = max(n // 2, total // 64, 1)
+        n = max(n // 2, total // 16, 1)
     return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=dev)
 
 
