@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# One-H200 performance check (<= 5 min): fla KDA vs the chunked PyTorch path (correctness + speed), small-preset
-# bf16 train-step MFU (goal >= 45%), peak memory vs the planner. Prints one table; JSON to
-# bench/results/gpu.json (and $OUT/gpu.json when OUT is set). Needs only this repo and a Python with a CUDA
-# build of torch
+# One-GPU performance check (H100 or H200, <= 5 min), one table: host syncs per bf16 train step
+# (torch.cuda.set_sync_debug_mode, unpacked and packed rows), fla KDA vs the chunked PyTorch path (correctness +
+# speed), MLA over packed documents (FlexAttention vs per-document SDPA), the routed experts as grouped_mm vs a GEMM
+# loop (model.expert_backend), the small preset's bf16 train-step time and MFU (goal >= 45%), peak memory vs the
+# planner. JSON to bench/results/gpu.json (and $OUT/gpu.json when OUT is set). Needs only this repo and a Python
+# with a CUDA build of torch
 # (+ optionally flash-linear-attention/triton for the fla row):   PYTHON=/path/to/python bench/gpu.sh [--seq 4096]
 # Exits 2 at once, with one line, when there is no GPU or no CUDA torch.
 set -uo pipefail

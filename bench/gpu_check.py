@@ -1,14 +1,21 @@
-"""The one-GPU check behind bench/gpu.sh: fla KDA vs the chunked PyTorch path, small-preset bf16 train-step MFU,
-peak memory vs the planner. Every part is guarded, so one failure still leaves the others and the final table.
+"""The one-GPU check behind bench/gpu.sh: host syncs per train step, fla KDA vs the chunked PyTorch path, MLA over
+packed documents (flex vs per-document), routed experts grouped_mm vs loop, small-preset bf16 train-step time and
+MFU, peak memory vs the planner. Every part is guarded, so one failure still leaves the others and the final table.
 
-    bench/gpu.sh                                  # what to run on the H200 (checks CUDA first, <= 5 min)
+    bench/gpu.sh                                  # what to run on the GPU (checks CUDA first, <= 5 min)
     python -m bench.gpu_check --seq 4096 --batch 4 --steps 6
 
-Numbers: KDA fwd+bwd medians (B=1, T=8192, H=16, K=V=128, bf16 inputs); correctness as relative L2 error of o and
-of every input gradient vs the PyTorch chunked path in fp32. Train step: small preset, bf16 weights and AdamW
-(what DeepSpeed's bf16 mode computes with), MFU = model FLOPs (training.metrics.flops_per_token) per second over
-the datasheet dense bf16 peak (training.metrics.system.GPU_PEAK_BF16), and over a 8192^3 bf16 matmul measured
-in the same run. Peak memory: torch.cuda.max_memory_allocated vs training.plan (ZeRO-0, 1 GPU, bf16, flash).
+Numbers: host syncs of one bf16 train step of the small preset at T=--seq, one unpacked row and one packed row of
+mixed documents (`torch.cuda.set_sync_debug_mode("warn")` warnings; bench/gpu_parts.py). KDA fwd+bwd medians (B=1,
+T=8192, H=16, K=V=128, bf16 inputs); correctness as relative L2 error of o and of every input gradient vs the
+PyTorch chunked path in fp32. MLA: one small-preset layer (qk 192, v 128) over a packed row of --mla-seq tokens
+(default --seq: the compiled flex kernel of the sync row's packed step is reused),
+bf16 fwd+bwd, compiled FlexAttention vs one SDPA call per document, outputs and input gradients compared. Experts:
+the small model's bf16 fwd+bwd at B=1, T=--seq with `set_expert_backend("grouped_mm")` vs `("loop")`. Train step:
+small preset, bf16 weights and AdamW (what DeepSpeed's bf16 mode computes with), MFU = model FLOPs
+(training.metrics.flops_per_token) per second over the datasheet dense bf16 peak (training.metrics.system.
+GPU_PEAK_BF16), and over a 8192^3 bf16 matmul measured in the same run. Peak memory: torch.cuda.max_memory_allocated
+vs training.plan (ZeRO-0, 1 GPU, bf16, flash). `--cpu-dry-run` runs every part's code on CPU at toy sizes.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from bench.common import format_table, machine_info, peak_matmul_flops, time_fn, write_json
+from bench.gpu_parts import expert_check, mla_check, rel_err, sync_check
 
 
 @contextlib.contextmanager
@@ -37,10 +45,6 @@ def pytorch_kda_path() -> Iterator[None]:
         yield
     finally:
         ops._use_fla = saved
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
 def kda_check(T: int, H: int, K: int, reps: int, dev: str = "cuda") -> list[dict[str, Any]]:
@@ -79,8 +83,8 @@ def kda_check(T: int, H: int, K: int, reps: int, dev: str = "cuda") -> list[dict
             "value": t_pt.median * 1e3,
             "unit": "ms",
             "spread": t_pt.spread,
-            "note": f"err o {_rel(o_pt, o_ref):.1e}, grads max "
-            f"{max(_rel(a, b) for a, b in zip(g_pt, g_ref)):.1e} vs fp32",
+            "note": f"err o {rel_err(o_pt, o_ref):.1e}, grads max "
+            f"{max(rel_err(a, b) for a, b in zip(g_pt, g_ref)):.1e} vs fp32",
         }
     ]
     if _fla_kda() is None:
@@ -95,7 +99,7 @@ def kda_check(T: int, H: int, K: int, reps: int, dev: str = "cuda") -> list[dict
         return rows
     o_fla, g_fla, step_fla = run(torch.bfloat16)  # chunk_kda dispatches to fla for CUDA bf16 tensors
     t_fla = time_fn(step_fla, reps=reps, warmup=1)
-    errs = [_rel(o_fla, o_ref)] + [_rel(a, b) for a, b in zip(g_fla, g_ref)]
+    errs = [rel_err(o_fla, o_ref)] + [rel_err(a, b) for a, b in zip(g_fla, g_ref)]
     rows.append(
         {
             "check": f"KDA fla bf16 fwd+bwd T={T} H={H} K={K}",
@@ -200,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument(
+        "--mla-seq", type=int, default=0, help="packed row length of the MLA check (0: --seq, one flex compile)"
+    )
+    ap.add_argument(
         "--cpu-dry-run",
         action="store_true",
         help="exercise the script's code on CPU at toy sizes (tiny preset); numbers mean nothing",
@@ -216,8 +223,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = True
     rows: list[dict[str, Any]] = []
     t0 = time.time()
+    mla_seq = args.mla_seq or (4 * args.seq if args.cpu_dry_run else args.seq)  # = the sync row's packed length
     for name, fn in (
+        ("sync", lambda: sync_check(args.seq, dev, preset)),
         ("kda", lambda: kda_check(args.T, args.H, args.K, args.reps, dev)),
+        ("mla", lambda: mla_check(mla_seq, args.reps, dev, preset)),
+        ("experts", lambda: expert_check(args.seq, 1, args.steps, dev, preset)),
         ("train", lambda: train_check(args.seq, args.batch, args.steps, dev, preset)),
     ):
         try:

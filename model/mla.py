@@ -12,12 +12,14 @@ Parameter names are the HF keys (`q_a_proj`, `q_a_layernorm`, `q_b_proj` or `q_p
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.attention_backend import flex_document_attention, packed_backend
 from model.config import K3Config
 from model.lora import effective_weight
 from model.norm import RMSNorm, upcast
@@ -117,12 +119,39 @@ def naive_mla_attention(
     scale: float,
 ) -> torch.Tensor:
     """Per-head keys/values from the latent: k_h = [W_UK_h c_hat ; k_r], v_h = W_UV_h c_hat. Returns [B, T, H, dv]."""
+    k_BSHE, v_BSHV = per_head_kv(c_kv_BSR, k_r_BSD, w_kvb, num_heads, nope_dim, v_dim)
+    o_BHTV = sdpa(q_BTHE.transpose(1, 2), k_BSHE.transpose(1, 2), v_BSHV.transpose(1, 2), mask_TS, is_causal, scale)
+    return o_BHTV.transpose(1, 2)
+
+
+def per_head_kv(
+    c_kv_BSR: torch.Tensor, k_r_BSD: torch.Tensor, w_kvb: torch.Tensor, num_heads: int, nope_dim: int, v_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """k_h = [W_UK_h c_hat ; k_r] [B, S, H, dn + dr] and v_h = W_UV_h c_hat [B, S, H, dv] from the latent."""
     B, S, _ = c_kv_BSR.shape
     kv_BSHF = F.linear(c_kv_BSR, w_kvb).view(B, S, num_heads, nope_dim + v_dim)
     k_nope_BSHN, v_BSHV = kv_BSHF.split([nope_dim, v_dim], dim=-1)
     k_r_BSHD = k_r_BSD[:, :, None, :].expand(B, S, num_heads, k_r_BSD.shape[-1])
-    k_BSHE = torch.cat([k_nope_BSHN, k_r_BSHD], dim=-1)
-    o_BHTV = sdpa(q_BTHE.transpose(1, 2), k_BSHE.transpose(1, 2), v_BSHV.transpose(1, 2), mask_TS, is_causal, scale)
+    return torch.cat([k_nope_BSHN, k_r_BSHD], dim=-1), v_BSHV
+
+
+def flex_mla_attention(
+    q_BTHE: torch.Tensor,
+    c_kv_BSR: torch.Tensor,
+    k_r_BSD: torch.Tensor,
+    w_kvb: torch.Tensor,
+    num_heads: int,
+    nope_dim: int,
+    v_dim: int,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The naive per-head form over all packed documents in one FlexAttention call with a document block mask
+    (model/attention_backend.py; qk head dim dn + dr, v head dim dv). Returns [B, T, H, dv]."""
+    k_BSHE, v_BSHV = per_head_kv(c_kv_BSR, k_r_BSD, w_kvb, num_heads, nope_dim, v_dim)
+    o_BHTV = flex_document_attention(
+        q_BTHE.transpose(1, 2), k_BSHE.transpose(1, 2), v_BSHV.transpose(1, 2), cu_seqlens, scale
+    )
     return o_BHTV.transpose(1, 2)
 
 
@@ -168,25 +197,39 @@ def mla_max_logits(
     k_r_BSD: torch.Tensor,
     w_kvb: torch.Tensor,
     nope_dim: int,
-    mask_TS: torch.Tensor | None,
-    is_causal: bool,
     scale: float,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_host: list[int] | None = None,
     chunk: int = 128,
 ) -> torch.Tensor:
-    """Per head, the largest pre-softmax logit scale * q_h . k_h,s over the pairs the mask allows: [H] fp32 (-inf
-    for a head with none). For QK-Clip (training/optim/qk_clip.py); queries in chunks bound the [B, H, t, S] scores."""
+    """Per head, the largest pre-softmax logit scale * q_h . k_h,s over the causal pairs (within each document when
+    packed): [H], >= fp32 (-inf for a head with none). For QK-Clip (training/optim/qk_clip.py).
+
+    Queries are the last T of S positions (a decode cache may hold earlier ones; packing has no cache). Queries go in
+    chunks of `chunk`; a chunk scores only the keys from the start of its first query's document (from
+    `cu_seqlens_host`, 0 without it) to its last query, masked by the per-position document start taken on the device
+    from `cu_seqlens`: no [T, T] tensor, and [B, H, chunk, chunk + longest document] scores at most."""
     B, T, H, _ = q_BTHE.shape
-    S = c_kv_BSR.shape[1]
+    S, offset = c_kv_BSR.shape[1], c_kv_BSR.shape[1] - q_BTHE.shape[1]
+    dt = torch.promote_types(q_BTHE.dtype, torch.float32)
     k_nope_BSHN = F.linear(c_kv_BSR, w_kvb).view(B, S, H, -1)[..., :nope_dim]
     k_BHSE = torch.cat([k_nope_BSHN, k_r_BSD[:, :, None, :].expand(B, S, H, k_r_BSD.shape[-1])], -1).transpose(1, 2)
-    if is_causal and mask_TS is None:
-        mask_TS = torch.ones(T, S, dtype=torch.bool, device=q_BTHE.device).tril(diagonal=S - T)
-    out_H = torch.full((H,), float("-inf"), dtype=torch.float32, device=q_BTHE.device)
+    pos_S = torch.arange(S, device=q_BTHE.device)
+    start_S = None  # [S] first position of each position's document
+    if cu_seqlens is not None:
+        cu = cu_seqlens.to(device=q_BTHE.device, dtype=torch.int64)
+        start_S = cu[segment_ids(cu, S)]
+    out_H = torch.full((H,), float("-inf"), dtype=dt, device=q_BTHE.device)
     for t0 in range(0, T, chunk):
-        s_BHtS = torch.einsum("bthe,bhse->bhts", q_BTHE[:, t0 : t0 + chunk].float(), k_BHSE.float()) * scale
-        if mask_TS is not None:
-            s_BHtS = s_BHtS.masked_fill(~mask_TS[t0 : t0 + chunk], float("-inf"))
-        out_H = torch.maximum(out_H, s_BHtS.amax(dim=(0, 2, 3)))
+        t1 = min(T, t0 + chunk)
+        k0 = 0 if cu_seqlens_host is None else cu_seqlens_host[bisect.bisect_right(cu_seqlens_host, t0 + offset) - 1]
+        q_pos, k_pos = pos_S[t0 + offset : t1 + offset], pos_S[k0 : t1 + offset]
+        allowed_tW = k_pos[None, :] <= q_pos[:, None]
+        if start_S is not None:
+            allowed_tW &= k_pos[None, :] >= start_S[t0 + offset : t1 + offset, None]
+        s_BHtW = torch.einsum("bthe,bhwe->bhtw", q_BTHE[:, t0:t1].to(dt), k_BHSE[:, :, k0 : t1 + offset].to(dt))
+        s_BHtW = (s_BHtW * scale).masked_fill(~allowed_tW, float("-inf"))
+        out_H = torch.maximum(out_H, s_BHtW.amax(dim=(0, 2, 3)))
     return out_H
 
 
@@ -256,14 +299,25 @@ class GatedMLA(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         cache: MLACache | None = None,
         absorbed: bool | None = None,
+        *,
+        cu_seqlens_host: list[int] | None = None,
     ) -> torch.Tensor:
         """`absorbed` picks the attention form (default: absorbed iff a cache is given); both are exact.
+
+        Packed documents: `cu_seqlens` on the device and, when the caller has them, the same boundaries as Python
+        ints in `cu_seqlens_host` (the model reads them once per micro-batch); without them this layer reads
+        `cu_seqlens` at most once, and only where a path needs ints (the per-document path, CPU validation).
 
         With `sequence_shard` set, x holds this rank's T/N tokens: queries go to [T, H/N] by the head all-to-all,
         the head-shared latent stream is gathered whole, this rank's heads attend over every token (documents from
         the whole sequence's cu_seqlens) and the outputs return to the token shard (model/sequence.py)."""
         shard = self.sequence_shard
-        self._check_inputs(x_BTD, cu_seqlens, cache, shard)
+        use_absorbed = cache is not None if absorbed is None else absorbed
+        backend = packed_backend(x_BTD.device) if cu_seqlens is not None and not use_absorbed else None
+        need_ints = backend == "per_document" or (cu_seqlens is not None and cu_seqlens.device.type == "cpu")
+        if cu_seqlens is not None and cu_seqlens_host is None and need_ints:
+            cu_seqlens_host = cu_seqlens.tolist()  # this layer's one host read (none on the CUDA flex path)
+        self._check_inputs(x_BTD, cu_seqlens, cu_seqlens_host, cache, shard)
         B, t, _ = x_BTD.shape
         q_BTHE = self._query(x_BTD)
         c_kv_BSR, k_r_BSD = self._latent(x_BTD)
@@ -279,15 +333,19 @@ class GatedMLA(nn.Module):
         if cache is not None:
             c_kv_BSR, k_r_BSD = cache.append(c_kv_BSR, k_r_BSD)
         if self.track_max_logit:
-            self._track_max_logit(q_BTHE, c_kv_BSR, k_r_BSD, w_kvb, cu_seqlens, own if shard is not None else None)
-        use_absorbed = cache is not None if absorbed is None else absorbed
+            got_h = mla_max_logits(
+                q_BTHE, c_kv_BSR, k_r_BSD, w_kvb, self.nope_dim, self.scale, cu_seqlens, cu_seqlens_host
+            )
+            self._record_max_logit(got_h, own if shard is not None else None)
         attend = absorbed_mla_attention if use_absorbed else naive_mla_attention
         args = (w_kvb, heads, self.nope_dim, self.v_dim)
-        if cu_seqlens is not None and not use_absorbed:
+        if backend == "flex":
+            o_BTHV = flex_mla_attention(q_BTHE, c_kv_BSR, k_r_BSD, *args, cu_seqlens, self.scale)
+        elif backend == "per_document":
             # packed documents: one causal call per document selects a fused kernel (CPU flash; CUDA flash or
             # memory-efficient) with no T x T mask, scores or probabilities and the causal work skipped, where a
             # block-diagonal mask forces the math path (and a [T, T] mask at 1M tokens would be 1 TB)
-            cu = cu_seqlens.tolist()
+            cu = cu_seqlens_host
             o_BTHV = torch.cat(
                 [
                     attend(q_BTHE[:, s:e], c_kv_BSR[:, s:e], k_r_BSD[:, s:e], *args, None, True, self.scale)
@@ -306,17 +364,17 @@ class GatedMLA(nn.Module):
             o_BTF = (torch.sigmoid(upcast(self.g_proj(x_BTD))) * upcast(o_BTF)).to(x_BTD.dtype)
         return self.o_proj(o_BTF)
 
-    def _track_max_logit(self, q_BTHE, c_kv_BSR, k_r_BSD, w_kvb, cu_seqlens, own: slice | None) -> None:
-        mask_TS, is_causal = attention_mask(q_BTHE.shape[1], c_kv_BSR.shape[1], cu_seqlens, q_BTHE.device)
-        got_h = mla_max_logits(q_BTHE, c_kv_BSR, k_r_BSD, w_kvb, self.nope_dim, mask_TS, is_causal, self.scale)
-        full_H = torch.full((self.num_heads,), float("-inf"), dtype=torch.float32, device=q_BTHE.device)
-        full_H[own if own is not None else slice(None)] = got_h
+    def _record_max_logit(self, got_h: torch.Tensor, own: slice | None) -> None:
+        """Raise `max_logit_H` [H] fp32 to this forward's per-head maxima (heads this rank does not own: -inf)."""
+        full_H = torch.full((self.num_heads,), float("-inf"), dtype=torch.float32, device=got_h.device)
+        full_H[own if own is not None else slice(None)] = got_h.float()
         self.max_logit_H = full_H if self.max_logit_H is None else torch.maximum(self.max_logit_H, full_H)
 
     def _check_inputs(
         self,
         x_BTD: torch.Tensor,
         cu_seqlens: torch.Tensor | None,
+        cu_host: list[int] | None,
         cache: MLACache | None,
         shard: SequenceShard | None,
     ) -> None:
@@ -340,8 +398,8 @@ class GatedMLA(nn.Module):
             raise ValueError(
                 f"cu_seqlens must be a 1-D int32/int64 tensor, got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
             )
-        if cu_seqlens.device.type == "cpu":  # value check only where it costs no device->host sync
-            cu = cu_seqlens.tolist()
+        if cu_host is not None:  # value check only on ints the host holds already (no extra device->host read)
+            cu = cu_host
             if len(cu) < 2 or cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
                 raise ValueError(f"cu_seqlens must rise from 0 to T={T} (non-decreasing), got {cu}")
 

@@ -38,6 +38,8 @@ EXEMPT = {
     "this job to a local slurmctld + two slurmd nodes",
     "launch/fault_matrix.sh": "the full fault matrix (~9 min); its CI subset is tests/fault",
     "bench/gpu.sh": "needs an NVIDIA GPU; without one it exits 2 in one line (test_gpu_script_refuses_without_cuda)",
+    "DS_ACCELERATOR=cpu .venv/bin/python -m bench.bf16": "two 50-step smoke trainings (~10 min); "
+    "tests/training/test_bf16.py checks the bf16 casts and the ZeRO-0 refusal",
     "python -m tests.golden.make": "rewrites the committed golden files (tests/golden/test_golden.py checks them)",
     "python -m bench.startup --launcher": "times cold and cached starts (minutes); tests/training/test_entry_points.py"
     " and tests/distributed start the same jobs",
@@ -66,6 +68,7 @@ BENCH_TINY = {
     "bench.optim_loss": " --steps 2 --seeds 0",  # one seed, 2 steps: both optimizers' smoke jobs
     "bench.speculative": " --steps 3 --prompts 1 --new 8",  # 3 training steps, one short generation
     "bench.gpu_check": " --reps 1 --steps 1",  # its CPU dry run: 1 timed rep of each part (a bf16 step takes seconds)
+    "bench.qk_clip_memory": " --seq 256",  # three 1-layer children at 256 tokens
 }
 
 

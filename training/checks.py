@@ -43,6 +43,21 @@ def check_sequence_parallel(cfg: DictConfig, mcfg: K3Config, world_size: int) ->
             )
 
 
+def check_precision(cfg: DictConfig) -> None:
+    """bf16 trains on fp32 master weights with fp32 gradient accumulation (training/engine.py), which DeepSpeed 0.19
+    provides from ZeRO-1 up (`BF16_Optimizer` at stage 1, the ZeRO optimizers above); at ZeRO-0 it refuses that mix
+    (`_do_optimizer_sanity_check`), and its bf16-accumulating alternative keeps no fp32 master."""
+    import torch
+
+    p = str(cfg.train.precision)
+    bf16 = p == "bf16" or (p == "auto" and torch.cuda.is_available())
+    if bf16 and int(cfg.deepspeed.zero_stage) == 0:
+        raise TrainConfigError(
+            f"train.precision={p} (bf16) with deepspeed=zero0: DeepSpeed keeps no fp32 master weights at ZeRO-0; "
+            "use deepspeed=zero1 (or higher) for bf16, or train.precision=fp32 with zero0"
+        )
+
+
 def check_muon(cfg: DictConfig) -> None:
     """optim=muon runs on DeepSpeed's ZeRO Muon (training/optim/muon.py); what that cannot do fails here."""
     ds = cfg.deepspeed

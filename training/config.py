@@ -31,6 +31,7 @@ from training.checks import (
     check_data_config,
     check_lora,
     check_muon,
+    check_precision,
     check_sequence_parallel,
     check_tokenizer,
 )
@@ -387,6 +388,7 @@ def validate(cfg: DictConfig, world_size: int) -> K3Config:
     need(
         not ds.offload_param or ds.zero_stage == 3, "deepspeed.offload_param needs ZeRO-3; use deepspeed=zero3_offload"
     )
+    check_precision(cfg)
     if cfg.optim.name == "muon":
         check_muon(cfg)
     need(par.ep_size >= 1, f"parallel.ep_size must be >= 1, got {par.ep_size}")

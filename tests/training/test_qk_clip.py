@@ -3,6 +3,8 @@ the clip's effect on the same batch, and its metrics."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -39,7 +41,7 @@ def test_max_logits_match_float64_loop_with_odd_lengths_and_chunks(packed):
     w = torch.randn(H * (DN + DV), R)
     cu = torch.tensor([0, 3, 7]) if packed else None
     mask_TS, causal = attention_mask(T, T, cu, q.device)
-    got = mla_max_logits(q, c_kv, k_r, w, DN, mask_TS, causal, 0.3, chunk=3)
+    got = mla_max_logits(q, c_kv, k_r, w, DN, 0.3, cu, None if cu is None else cu.tolist(), chunk=3)
     ref_mask = mask_TS if mask_TS is not None else torch.ones(T, T, dtype=torch.bool).tril()
     torch.testing.assert_close(got.double(), max_logits_reference(q, c_kv, k_r, w, ref_mask, 0.3), rtol=1e-6, atol=0)
 
@@ -154,3 +156,22 @@ def test_without_tau_logits_are_tracked_only_on_logged_steps():
 def test_non_positive_tau_is_refused_in_one_line(tau):
     with pytest.raises(TrainConfigError, match="optim.qk_clip_tau"):
         validate(compose([f"optim.qk_clip_tau={tau}"]), 1)
+
+
+def test_after_step_reads_every_layers_maxima_in_one_host_read():
+    """Two MLA layers, tau set, clipping applied: one `tolist` in training/optim and no scalar read (`item`,
+    `_local_scalar_dense`) anywhere: the step's scalars come to the host batched, not one `float()` per layer."""
+    from tests.model.test_mla_packed import HostReads
+
+    a, b = mla_layer(8), mla_layer(None)
+    b.layer_idx = 5
+    model = torch.nn.ModuleList([a, b])
+    x = torch.randn(1, 6, 16, dtype=torch.float64)
+    clip = QKClip(model, 1.0)
+    clip.begin_step(track=True)
+    a(x), b(x)
+    optim_dir = str(Path(__file__).resolve().parents[2] / "training" / "optim")
+    with HostReads(dispatch=True, where=optim_dir) as reads:
+        metrics = clip.after_step(applied=True)
+    assert metrics["optim/qk_clip_heads"] == 6 and set(metrics) >= {"attn/layer1/max_logit", "attn/layer5/max_logit"}
+    assert reads.count == 1

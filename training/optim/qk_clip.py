@@ -16,6 +16,8 @@ ZeRO-0 fp32 has no second copy: the module parameter is the master.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -36,35 +38,41 @@ class QKClip:
             m.track_max_logit, m.max_logit_H = bool(track) or self.tau is not None, None
 
     def global_max_logits(self) -> torch.Tensor | None:
-        """[L_mla, H] fp32, MAX over micro-batches and every rank (collective), or None if nothing was tracked."""
+        """[L_mla, H] fp32 on the collective's device, MAX over micro-batches and every rank (collective), or None
+        if nothing was tracked."""
         if not self.layers or not self.layers[0][1].track_max_logit:
             return None
         device = self.layers[0][1].kv_b_proj.weight.device  # the collective's device (NCCL: the GPU)
         rows = []
         for _, m in self.layers:
             v = m.max_logit_H
-            rows.append(v if v is not None else torch.full((m.num_heads,), float("-inf")))
+            rows.append(v if v is not None else torch.full((m.num_heads,), float("-inf"), device=device))
         s_LH = torch.stack([r.float().to(device) for r in rows])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(s_LH, op=dist.ReduceOp.MAX)
-        return s_LH.cpu()
+        return s_LH
 
     def after_step(self, applied: bool) -> dict[str, float]:
-        """Collective on every rank: metrics of the step and, when `applied` and tau is set, the clip."""
+        """Collective on every rank: metrics of the step and, when `applied` and tau is set, the clip.
+
+        The step's one device->host read: every layer's per-head maxima in a single `tolist` (no scalar read per
+        layer); the metrics, the clip factors and which layers to clip are computed on the host from it."""
         s_LH = self.global_max_logits()
         for _, m in self.layers:
             m.track_max_logit, m.max_logit_H = False, None
         if s_LH is None:
             return {}
-        out: dict[str, float] = {"attn/max_logit": float(s_LH.max())}
-        for (idx, _), s_H in zip(self.layers, s_LH):
-            out[f"attn/layer{idx}/max_logit"] = float(s_H.max())
+        host_LH: list[list[float]] = s_LH.tolist()
+        out: dict[str, float] = {"attn/max_logit": max(max(row) for row in host_LH)}
+        for (idx, _), row in zip(self.layers, host_LH):
+            out[f"attn/layer{idx}/max_logit"] = max(row)
         if self.tau is not None:
-            gamma_LH = clip_factors(s_LH, self.tau)
-            out["optim/qk_clip_heads"] = float((gamma_LH < 1).sum()) if applied else 0.0
+            gamma_LH = clip_factors(torch.tensor(host_LH, dtype=torch.float32), self.tau)  # built on the host
+            clipped = [[math.isfinite(v) and max(v, 1e-6) > self.tau for v in row] for row in host_LH]
+            out["optim/qk_clip_heads"] = float(sum(map(sum, clipped))) if applied else 0.0
             if applied:
-                for (_, m), g_H in zip(self.layers, gamma_LH):
-                    if bool((g_H < 1).any()):
+                for (_, m), g_H, row in zip(self.layers, gamma_LH, clipped):
+                    if any(row):
                         clip_layer(m, g_H)
         return out
 
