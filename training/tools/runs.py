@@ -84,6 +84,7 @@ class Run:
     config: dict[str, Any] = field(default_factory=dict)  # flattened config.yaml ({} without one)
     summary: dict[str, Any] = field(default_factory=dict)
     tokens_note: str = ""  # how the token axis was derived where the records do not carry it
+    _keys: set[str] | None = field(default=None, repr=False)
 
     def series(self, key: str, x: str = "tokens") -> tuple[np.ndarray, np.ndarray]:
         pts = [(r[x], r[key]) for r in self.records if _number(r.get(key)) and _number(r.get(x))]
@@ -93,7 +94,10 @@ class Run:
         return np.asarray(xs, dtype=np.float64), np.asarray(ys, dtype=np.float64)
 
     def metric_keys(self) -> set[str]:
-        return {k for r in self.records for k, v in r.items() if _number(v)}
+        """Every key with a numeric value in some record (computed once: the records do not change)."""
+        if self._keys is None:
+            self._keys = {k for r in self.records for k, v in r.items() if _number(v)}
+        return self._keys
 
     def final(self, key: str) -> tuple[float, int] | None:
         """(last value, its step)."""
@@ -129,22 +133,26 @@ def add_tokens(records: list[dict[str, Any]], config: Mapping[str, Any], summary
     per_step, note = None, ""
     if any(not _number(r.get("tokens_seen")) for r in records):
         per_step, note = _tokens_per_step(config, summary)
-    total, last_step = 0.0, 0
+    total, last_step, used = 0.0, 0, set()
     for r in records:
         step = int(r["step"])
         if _number(r.get("tokens_seen")):
             total = float(r["tokens_seen"])
         elif _number(r.get("tokens_step")) and step == last_step + 1:
             total += r["tokens_step"]  # an unbroken run of per-step counts: their sum is exact
+            used.add("tokens from the per-step counts")
         elif per_step is not None:
             total = per_step * step
+            used.add(note)
         elif _number(r.get("tokens_step")):
             total = r["tokens_step"] * step
+            used.add("tokens estimated as the step's own count x step")
         else:
             total = float(step)
+            used.add(note)
         r["tokens"] = total
         last_step = step
-    return note
+    return "; ".join(sorted(used))
 
 
 def load_run(path: str | Path, name: str | None = None) -> Run:
