@@ -72,17 +72,28 @@ def plot_metrics(runs: Sequence[Run], metrics: Sequence[tuple[str, str]], cols: 
             if not len(x):
                 continue
             few = len(x) <= 12  # evaluations: a few points, each one matters
-            smooth = key == "loss" and len(y) > 20
-            style = {"lw": 0.8, "alpha": 0.35} if smooth else {"lw": 1.4, "label": run.name}
+            trend = _trend(run, x, y) if key == "loss" and len(x) > 1 else None
+            style = {"lw": 0.8, "alpha": 0.35} if trend else {"lw": 1.4, "label": run.name}
             ax.plot(x, y, color=c, marker="o" if few else None, ms=3, **style)
-            if smooth:  # a running mean over the raw (noisy) training loss
-                w = max(2, len(y) // 20)
-                ax.plot(x[w - 1 :], np.convolve(y, np.ones(w) / w, mode="valid"), lw=1.8, color=c, label=run.name)
+            if trend:  # the noisy per-step loss thin, its trend bold
+                ax.plot(*trend, lw=1.8, color=c, label=run.name)
         ax.set_ylabel(label)
         ax.set_title(label, fontsize=10)
         _tokens_axis(ax)
         ax.legend(fontsize=7)
     return fig
+
+
+def _trend(run: Run, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """The training loss's trend: the trainer's window mean (`loss_avg`, over every step, not only the logged
+    ones) where the run logs it, else a running mean of the logged values past 20 of them."""
+    xa, ya = run.series("loss_avg")
+    if len(xa):
+        return xa, ya
+    if len(y) <= 20:
+        return None
+    w = max(2, len(y) // 20)
+    return x[w - 1 :], np.convolve(y, np.ones(w) / w, mode="valid")
 
 
 def _bucket_lo(name: str) -> float:
@@ -197,7 +208,8 @@ def config_table(runs: Sequence[Run], cols: Sequence[Any]) -> str:
         return f"<p>No config key differs between the runs ({n_same} keys compared).</p>"
     head = "".join(f"<th>{_swatch(c)}{html.escape(r.name)}</th>" for r, c in zip(runs, cols))
     rows = [_row(k, [json.dumps(c[k], default=str) if k in c else "—" for c in configs]) for k in keys]
-    note = f"<p>{len(keys)} keys differ; {n_same} are the same in every run (run_dir not compared).</p>"
+    differ = f"{len(keys)} key differs" if len(keys) == 1 else f"{len(keys)} keys differ"
+    note = f"<p>{differ}; {n_same} are the same in every run (run_dir not compared).</p>"
     return f"{note}<table><tr><th>config key</th>{head}</tr>{''.join(rows)}</table>"
 
 
