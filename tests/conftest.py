@@ -64,7 +64,7 @@ SHARED = {
     "ep2_ref": ("distributed/test_expert_parallel_train.py", "fault/test_kill.py"),
     "ref_run": ("distributed/test_zero.py", "distributed/test_resume.py", "distributed/test_layouts.py"),
     "base_run": ("fault/test_run_identity.py", "fault/test_untrusted.py", "fault/test_data_faults.py"),
-    "real_run": ("training/test_report.py", "training/test_generate_cli.py"),
+    "real_run": ("training/test_report.py", "training/test_generate_cli.py", "training/test_compare.py"),
     "data-fixtures": ("data/",),  # corpus, tokenizers (tests/data/conftest.py)
     "multinode": ("multinode/",),  # the two namespace nodes, their Slurm, the two-node reference job
 }

@@ -238,6 +238,7 @@ class LoggingSection:
     project: str = "k3-train"
     heatmap_every: int = 100
     progress: bool = True
+    group: Optional[str] = None  # W&B run group (launch/sweep.sh gives every job of a sweep the same one)
 
 
 @dataclass

@@ -61,6 +61,14 @@ def sweep_job_dir(name: str, overrides: list[str], run_dir: str | None) -> str:
     return os.path.join(run_dir or os.path.join("runs", "sweep", name), key)
 
 
+def sweep_group(job_dir: str) -> str:
+    """The W&B group of a sweep's jobs: the sweep's folder (`runs/sweep/<name>`, or the `run_dir=` given), the same
+    for every job and for a re-run that continues them, as a plain Hydra value; a long one keeps its last 128
+    characters (W&B's limit)."""
+    group = re.sub(r"[^A-Za-z0-9._/-]", "_", os.path.normpath(os.path.dirname(job_dir)))
+    return group[-128:]
+
+
 def launch_sweep_job(cfg: DictConfig) -> None:
     """In a Hydra multirun, start this job as its own deepspeed launch into its own run directory
     (`sweep_job_dir`) and wait for it (one process group per job; the sweeping process never joins one)."""
@@ -68,6 +76,8 @@ def launch_sweep_job(cfg: DictConfig) -> None:
     overrides = [o for o in hc.overrides.task if not o.startswith(("launcher.", "hydra."))]
     job_dir = sweep_job_dir(cfg.name, overrides, cfg.run_dir)
     overrides = [o for o in overrides if not o.startswith("run_dir=")] + [f"run_dir={job_dir}"]
+    if cfg.logging.group is None:  # one W&B group per sweep: its folder (the same for every job and every re-run)
+        overrides.append(f"logging.group={sweep_group(job_dir)}")
     # each job on a master port of its own (training/launch.py): jobs of two sweeps, or a sweep and a test, never meet
     cmd = launch_command(overrides, cfg.launcher.num_gpus, os.path.abspath(__file__), cfg.launcher.hostfile or None)
     print("sweep job:", " ".join(cmd), flush=True)

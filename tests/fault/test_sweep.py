@@ -1,6 +1,7 @@
 """Issue 17: sweep jobs get their own run directory keyed by their overrides (`runs/sweep/<name>/<key>`, or a
 subdirectory per job of a given `run_dir=`), so a job never resumes another job's checkpoint and a re-run with new
-values trains them in new directories. Real `launch/sweep.sh` multiruns, 1 rank per job."""
+values trains them in new directories; every job of a sweep logs to one W&B group. Real `launch/sweep.sh` multiruns,
+1 rank per job, W&B offline."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ from pathlib import Path
 import pytest
 
 from tests.distributed.conftest import REPO, job_env
-from tests.fault.conftest import TINY, read_metrics, record
-from training.train import sweep_job_dir
+from tests.fault.conftest import TINY_WANDB, read_metrics, record
+from training.metrics.sinks import read_wandb_offline_run
+from training.train import sweep_group, sweep_job_dir
 
 pytestmark = pytest.mark.distributed
-JOB = [*TINY, "train.steps=2"]
+JOB = [*TINY_WANDB, "train.steps=2"]
 
 
 def _sweep(root, lrs: str) -> subprocess.CompletedProcess:
@@ -62,6 +64,16 @@ def test_sweep_jobs_train_in_their_own_run_dirs(first_sweep):
         data_lost=steps != {"1e-2": [1, 2], "3e-2": [1, 2]},
     )
     assert steps == {"1e-2": [1, 2], "3e-2": [1, 2]}  # each job trained from step 1, none resumed another's
+
+
+def test_sweep_jobs_share_one_wandb_group(first_sweep):
+    """W&B's group (in each job's offline run file, what `wandb sync` uploads) is the sweep's folder: the same for
+    every job of the sweep, set by the sweep itself (`logging.group`, not given on the command line)."""
+    root = first_sweep
+    runs = [read_wandb_offline_run(_job_dir(root, lr)) for lr in ("1e-2", "3e-2")]
+    assert [r["group"] for r in runs] == [str(root)] * 2 and runs[0]["id"] != runs[1]["id"]
+    assert sweep_group("runs/sweep/smoke/optim.lr-0.001") == "runs/sweep/smoke"
+    assert sweep_group(f"/{'x' * 300}/k") == "x" * 128  # W&B's limit
 
 
 @pytest.mark.fault_matrix

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from training.metrics import RunLogger, router_metrics
-from training.metrics.sinks import read_jsonl, read_wandb_offline_history, scrub_secrets
+from training.metrics.sinks import read_jsonl, read_wandb_offline_history, read_wandb_offline_run, scrub_secrets
 
 REQUIRED = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu")
 
@@ -36,7 +36,7 @@ def offline_run(tmp_path_factory):
     """Two offline sessions in one run dir: steps 1..4, then a resume logging 3..6 (re-logged after a kill)."""
     run_dir = tmp_path_factory.mktemp("run")
     counts = torch.randint(0, 20, (3, 8))
-    cfg = {"model": {"preset": "tiny"}, "wandb": {"api_key": "cfg-secret-123"}}
+    cfg = {"model": {"preset": "tiny"}, "wandb": {"api_key": "cfg-secret-123"}, "logging": {"group": "runs/sweep/lr"}}
     with RunLogger(run_dir, cfg, "offline", "k3-test", None, 6, True, 2, False, progress=False) as lg:
         _log_steps(lg, range(1, 5), counts)
         first_id = lg.run_id
@@ -71,6 +71,16 @@ def test_offline_wandb_run_contains_router_metrics(offline_run):
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 3, 4, 5, 6]
     assert rows[0]["router/maxvio"] == pytest.approx(read_jsonl(run_dir / "metrics.jsonl")[0]["router/maxvio"])
     assert "router/layer3/dead_frac" in rows[-1]
+
+
+def test_the_run_configs_logging_group_is_the_wandb_group(offline_run):
+    run_dir, first_id, _ = offline_run
+    assert read_wandb_offline_run(run_dir) == {
+        "id": first_id,
+        "project": "k3-test",
+        "group": "runs/sweep/lr",
+        "name": "",
+    }
 
 
 def test_heatmap_every_n_steps_full_resolution_in_jsonl(offline_run):
@@ -110,6 +120,7 @@ def test_heatmap_at_k3_scale_is_one_capped_image_not_82k_keys(tmp_path):
     counts = torch.randint(0, 50, (92, 896))
     with RunLogger(tmp_path, {}, "offline", "k3-test", None, 1, True, 1, False, progress=False) as lg:
         assert lg.log_heatmap(10, counts, layer_ids=list(range(1, 93)))
+    assert read_wandb_offline_run(tmp_path)["group"] is None  # no logging.group: no W&B group
     rows = [r for r in read_wandb_offline_history(tmp_path) if "router/expert_load_heatmap" in r]
     assert len(rows) == 1 and len([k for k in rows[0] if not k.startswith("_")]) <= 3
     img = rows[0]["router/expert_load_heatmap"]

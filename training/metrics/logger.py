@@ -59,7 +59,8 @@ class RunLogger:
         self._metrics = JsonlSink(self.run_dir / "metrics.jsonl", append=resume)
         self._loads = JsonlSink(self.run_dir / "expert_load.jsonl", append=resume)
         if mode != "disabled":
-            self._wandb = WandbSink(self.run_dir, config, mode, project, self._run_id, resume)
+            group = (config.get("logging") or {}).get("group")  # the run config's logging.group (sweeps set it)
+            self._wandb = WandbSink(self.run_dir, config, mode, project, self._run_id, resume, group)
             self._run_id = self._wandb.run_id
             id_file.write_text(self._run_id + "\n")
         self._progress = Progress(total_steps, start_step, enabled=progress)

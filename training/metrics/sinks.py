@@ -120,6 +120,7 @@ class WandbSink:
         project: str,
         run_id: str | None,
         resume: bool,
+        group: str | None = None,
     ) -> None:
         import wandb  # ~1 s to import: only runs that log to W&B pay it
 
@@ -139,6 +140,7 @@ class WandbSink:
             mode=mode,
             config=to_jsonable(scrub_secrets(dict(config))),
             id=run_id,
+            group=group or None,  # the runs of one sweep, shown together (W&B's `group`)
             resume="allow" if (resume or run_id) else None,
             settings=wandb.Settings(
                 console="off", x_disable_stats=True, save_code=False, x_save_requirements=False, disable_git=True
@@ -197,19 +199,10 @@ def read_wandb_offline_history(run_dir: str | os.PathLike) -> list[dict[str, Any
 
     Why: proves what an offline run will upload on `wandb sync`, without network or the W&B server.
     """
-    from wandb.proto import wandb_internal_pb2 as pb
-
     rows: list[dict[str, Any]] = []
-    for path in sorted(Path(run_dir).glob("wandb/*run-*/run-*.wandb")):
-        data = path.read_bytes()
-        if data[:4] != b":W&B":
-            raise ValueError(f"{path} is not a W&B transaction log (bad magic); pass the run directory")
-        for payload in _leveldb_records(data, 7):
-            rec = pb.Record()
-            rec.ParseFromString(payload)
-            if rec.WhichOneof("record_type") != "history":
-                continue
-            row = {}
+    for rec in _offline_records(run_dir):
+        if rec.WhichOneof("record_type") == "history":
+            row: dict[str, Any] = {}
             for item in rec.history.item:
                 if item.key:
                     row[item.key] = json.loads(item.value_json)
@@ -220,3 +213,28 @@ def read_wandb_offline_history(run_dir: str | os.PathLike) -> list[dict[str, Any
                 node[item.nested_key[-1]] = json.loads(item.value_json)
             rows.append(row)
     return rows
+
+
+def read_wandb_offline_run(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """The run record of the newest offline W&B run file under run_dir/wandb: {id, project, group, name} as the
+    W&B server will receive them on `wandb sync` (the group ties a sweep's runs together there)."""
+    out: dict[str, Any] = {}
+    for rec in _offline_records(run_dir):
+        if rec.WhichOneof("record_type") == "run":
+            r = rec.run
+            out = {"id": r.run_id, "project": r.project, "group": r.run_group or None, "name": r.display_name}
+    return out
+
+
+def _offline_records(run_dir: str | os.PathLike):
+    """Every record (wandb_internal_pb2.Record) of the offline W&B run files under run_dir/wandb, in write order."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    for path in sorted(Path(run_dir).glob("wandb/*run-*/run-*.wandb")):
+        data = path.read_bytes()
+        if data[:4] != b":W&B":
+            raise ValueError(f"{path} is not a W&B transaction log (bad magic); pass the run directory")
+        for payload in _leveldb_records(data, 7):
+            rec = pb.Record()
+            rec.ParseFromString(payload)
+            yield rec

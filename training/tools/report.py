@@ -1,9 +1,11 @@
-"""Offline run report: `python -m training.report <run_dir> [out=DIR] [steps=100,500]`.
+"""Offline run report: `python -m training.report <run_dir> [out=DIR] [steps=100,500]`; with several run dirs
+(or a folder of runs, e.g. a sweep's) `python -m training.report runs/a runs/b ... [out=FILE.html]` puts them on
+one self-contained page (training/tools/compare.py).
 
 Why: a run must be readable without W&B (air-gapped clusters, CI artefacts), even without torch (numpy and
 matplotlib only). Reads the run's own `metrics.jsonl` / `expert_load.jsonl` (written by RunLogger) and writes
 PNGs plus an `index.html` that shows them: loss, lr, grad norm, tokens/s, MFU, router health per layer over
-time, and expert-load heatmaps (layers x experts) at chosen steps.
+time, every eval set's loss and eval task's accuracies, and expert-load heatmaps (layers x experts) at chosen steps.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from matplotlib.figure import Figure  # object API: renders with Agg, sets no gl
 
 from training.metrics.router import bucket_experts
 from training.metrics.sinks import read_jsonl
-from training.tools.cli import parse_args, run_tool
+from training.tools.cli import ToolError, parse_args, run_tool
+from training.tools.runs import merge_by_step
 
 SCALARS = (
     ("loss", "loss"),
@@ -41,12 +44,9 @@ _LAYER_KEY = re.compile(r"^router/layer(\d+)/(\w+)$")
 
 
 def dedupe_by_step(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One record per step, the LAST written wins (a resumed run re-logs the steps after its checkpoint)."""
-    by_step: dict[int, dict[str, Any]] = {}
-    for r in records:
-        if "step" in r:
-            by_step[int(r["step"])] = r
-    return [by_step[s] for s in sorted(by_step)]
+    """One record per step, the LAST written value of each key wins (a resumed run re-logs the steps after its
+    checkpoint); an eval record logged at a training step merges into it (training/tools/runs.py)."""
+    return merge_by_step(records)
 
 
 def series(records: Sequence[dict[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
@@ -114,6 +114,20 @@ def plot_router(records, name: str, label: str, out: Path) -> Path | None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     return _save(fig, out / f"router_{name}.png")
+
+
+def plot_evals(run_dir: Path, out: Path) -> list[tuple[str, Path]]:
+    """Every eval set's loss / bpb and eval task's accuracies against tokens, and the loss by position at the last
+    evaluation: the multi-run page's eval plots for this one run (training/tools/compare.py)."""
+    from training.tools.compare import figures
+    from training.tools.runs import load_run
+
+    made = []
+    for title, fig in figures([load_run(run_dir)]):
+        if title.startswith("eval/"):
+            name = re.sub(r"[^A-Za-z0-9._-]+", "_", title.removeprefix("eval/")).strip("_")
+            made.append((title, _save(fig, out / f"eval_{name}.png")))
+    return made
 
 
 def pick_steps(available: Sequence[int], wanted: Sequence[int] | None) -> list[int]:
@@ -204,6 +218,7 @@ def build_report(
     for name, label in ROUTER:
         if (p := plot_router(records, name, label, out)) is not None:
             images.append((f"router {label}", p))
+    images += plot_evals(run_dir, out)
     loads_path = run_dir / "expert_load.jsonl"
     if loads_path.is_file():
         loads = {r["step"]: r for r in dedupe_by_step(read_jsonl(loads_path))}
@@ -218,14 +233,25 @@ def build_report(
 
 
 def _main(argv: list[str]) -> int:
+    dirs = [x for x in argv if "=" not in x]  # run dirs (one: this report; several, or a folder of runs: compare)
     a = parse_args(
-        argv,
+        [x for x in argv if "=" in x],
         {"run_dir": None, "out": None, "steps": None},
-        positional=("run_dir",),
         kinds={"run_dir": str, "out": str, "steps": str},
     )
+    dirs += [a["run_dir"]] if a["run_dir"] else []
+    if not dirs:
+        raise ToolError("run_dir=<...> is required (or give one or more run directories as arguments)")
+    if len(dirs) > 1 or (Path(dirs[0]).is_dir() and not (Path(dirs[0]) / "metrics.jsonl").is_file()):
+        if a["steps"]:
+            raise ToolError("steps= picks one run's heatmap steps; give a single run directory with it")
+        from training.tools.compare import build_comparison
+
+        page, runs = build_comparison(dirs, a["out"])
+        print(f"wrote {page} ({len(runs)} runs: {', '.join(r.name for r in runs)})")
+        return 0
     steps = [int(x) for x in a["steps"].split(",") if x] if a["steps"] else None
-    files = build_report(a["run_dir"], a["out"], steps)
+    files = build_report(dirs[0], a["out"], steps)
     print(f"wrote {len(files) - 1} plots and {files['index']}")
     return 0
 
