@@ -192,9 +192,9 @@ class K3DecoderLayer(nn.Module):
         return attn_res_mix(candidates, proj.weight[0], norm.weight, norm.eps)
 
     def _attn(self, x_BTD: torch.Tensor, cu_seqlens, cache, cu_seqlens_host: list[int] | None) -> torch.Tensor:
-        """The mixer; packed documents come with their boundaries on the host (read once per micro-batch by
-        K3ForCausalLM.forward). GatedMLA takes `cu_seqlens_host` once its packed path does (issue 35, i35b)."""
-        if cu_seqlens is not None and isinstance(self.self_attn, KDA):
+        """The mixer (KDA or GatedMLA); packed documents come with their boundaries on the host, read once per
+        micro-batch by K3ForCausalLM.forward, so no mixer reads `cu_seqlens` itself."""
+        if cu_seqlens is not None:
             return self.self_attn(x_BTD, cu_seqlens=cu_seqlens, cache=cache, cu_seqlens_host=cu_seqlens_host)
         return self.self_attn(x_BTD, cu_seqlens=cu_seqlens, cache=cache)
 
