@@ -213,14 +213,17 @@ def export_checkpoint(
             _write(staging, config, source, fmt, tag_dir, shard_bytes)
         else:
             shards = plan_shards(entries(config, source, fmt, tag_dir), shard_bytes)
-            ctx = multiprocessing.get_context("spawn")
+            # fork where the OS has it (the children inherit the imports: no start-up), else spawn; this process
+            # writes rank 0's shards itself
+            ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
             args = (tag_dir, work, fmt, shard_bytes, staging)
-            workers = [ctx.Process(target=_write_part, args=(*args, r, procs)) for r in range(procs)]
+            workers = [ctx.Process(target=_write_part, args=(*args, r, procs)) for r in range(1, procs)]
             for w in workers:
                 w.start()
+            _write_part(*args, 0, procs)
             for w in workers:
                 w.join()
-            failed = [r for r, w in enumerate(workers) if w.exitcode != 0]
+            failed = [r + 1 for r, w in enumerate(workers) if w.exitcode != 0]
             if failed:
                 raise ToolError(f"export process {failed[0]} of {procs} failed (see its error above); nothing written")
             write_index(staging, shards)  # last: every shard is on disk

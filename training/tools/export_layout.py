@@ -123,6 +123,11 @@ def entries(config: K3Config, source: Source, fmt: str = "hf", where: str = "") 
         st = _STACKED.match(name)
         if st:
             per = shape[1:]
+            if fmt == "release" and per[1] % GROUP:
+                raise ValueError(
+                    f"the release layout stores routed experts as MXFP4 (groups of {GROUP} columns), but {name} has "
+                    f"{per[1]} columns; export this model with --format hf"
+                )
 
             def expert(j: int, name: str = name, shape: tuple[int, ...] = shape) -> torch.Tensor:
                 return _checked(f"{name}[{j}]", source.expert(name, j, shape), shape[1:], where)

@@ -1,0 +1,115 @@
+"""The streamed export (issue 37 §1, §2, §5): the same tensors, bitwise, as the consolidated path; disjoint shards
+from several processes; a killed export leaves no directory that looks complete; a non-empty OUT is refused."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from model import K3ForCausalLM, K3ForConditionalGeneration, save_hf_checkpoint
+from tests.model.vision_micro import micro_mm_config, randomise
+from training.tools.cli import ToolError
+from training.tools.export import export_checkpoint, load_checkpoint_model
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _zero0_tag(root: Path, model: torch.nn.Module) -> Path:
+    """A ZeRO-0 checkpoint step dir as the trainer writes it: module state, config.json, COMPLETE."""
+    tag = root / "checkpoints" / "step_1"
+    tag.mkdir(parents=True)
+    torch.save({"module": model.state_dict()}, tag / "mp_rank_00_model_states.pt")
+    model.config.save(tag)
+    (tag / "COMPLETE").write_text("")
+    return tag
+
+
+def _tensors(d: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(d.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def assert_same_as_consolidated(checkpoint: Path, streamed: Path, tmp: Path) -> None:
+    """Every tensor of `streamed` equals (dtype and bits) the consolidated export's (model built, then saved)."""
+    model, _ = load_checkpoint_model(str(checkpoint))
+    save_hf_checkpoint(model, tmp / "consolidated")
+    a, b = _tensors(tmp / "consolidated"), _tensors(streamed)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+@pytest.fixture(scope="module")
+def mm_tag(tmp_path_factory) -> Path:
+    return _zero0_tag(tmp_path_factory.mktemp("mm"), randomise(K3ForConditionalGeneration(micro_mm_config()), std=0.1))
+
+
+def test_streamed_export_equals_the_consolidated_one_bitwise(mm_tag, tmp_path):
+    out = export_checkpoint(str(mm_tag), str(tmp_path / "hf"), max_shard_bytes=100_000)
+    assert len(list(Path(out).glob("model-*.safetensors"))) > 2
+    assert (Path(out) / "model.safetensors.index.json").is_file()
+    assert_same_as_consolidated(mm_tag, Path(out), tmp_path)
+
+
+def test_processes_write_disjoint_shards_with_the_same_bytes(mm_tag, tmp_path):
+    one = Path(export_checkpoint(str(mm_tag), str(tmp_path / "one"), max_shard_bytes=100_000))
+    two = Path(export_checkpoint(str(mm_tag), str(tmp_path / "two"), max_shard_bytes=100_000, procs=2))
+    assert sorted(p.name for p in one.iterdir()) == sorted(p.name for p in two.iterdir())
+    for f in one.glob("*.safetensors"):
+        assert f.read_bytes() == (two / f.name).read_bytes(), f.name
+
+
+def test_a_non_empty_out_is_refused_unless_overwrite(mm_tag, tmp_path):
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ToolError, match="exists and is not empty; pass --overwrite"):
+        export_checkpoint(str(mm_tag), str(out))
+    assert (out / "notes.txt").read_text() == "mine"
+    export_checkpoint(str(mm_tag), str(out), overwrite=True)
+    assert not (out / "notes.txt").exists() and (out / "model.safetensors").is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["taken"]  # nothing left beside it
+
+
+KILL_AFTER_FIRST_SHARD = """
+import os, signal, sys
+from training.tools import export_safetensors
+from training.tools.export import export_checkpoint
+export_safetensors.on_shard_written = lambda path: os.kill(os.getpid(), signal.SIGKILL)
+export_checkpoint(sys.argv[1], sys.argv[2], max_shard_bytes=100_000, overwrite=True)
+"""
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_killed_export_leaves_no_complete_looking_directory(mm_tag, tmp_path, existing):
+    out = tmp_path / "hf"
+    if existing:  # a previous export: still whole after the kill
+        export_checkpoint(str(mm_tag), str(out))
+        before = {p.name: p.read_bytes() for p in out.iterdir()}
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    p = subprocess.run([sys.executable, "-c", KILL_AFTER_FIRST_SHARD, str(mm_tag), str(out)], cwd=REPO, env=env)
+    assert p.returncode == -9
+    if existing:
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    else:
+        assert not out.exists()
+    staged = [p for p in tmp_path.iterdir() if p.name.startswith(".hf.partial-")]
+    assert len(staged) == 1 and not (staged[0] / "config.json").exists()  # hidden, and incomplete inside
+    export_checkpoint(str(mm_tag), str(out), overwrite=True)  # the next export sweeps the dead one's staging
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]
+    assert isinstance(load_checkpoint_model(str(mm_tag))[0], K3ForConditionalGeneration)
+
+
+def test_text_state_with_a_tower_config_streams_text_only(tmp_path):
+    tag = _zero0_tag(tmp_path, K3ForCausalLM(micro_mm_config()))
+    out = Path(export_checkpoint(str(tag), str(tmp_path / "hf")))
+    assert not any(k.startswith("vision_tower.") for k in _tensors(out))
+    assert_same_as_consolidated(tag, out, tmp_path)
