@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from model import K3ForCausalLM, K3ForConditionalGeneration, save_hf_checkpoint
+from model import K3ForCausalLM, K3ForConditionalGeneration
 from tests.model.vision_micro import micro_mm_config, randomise
+from tests.training.export_compare import assert_same_as_consolidated, tensors
 from training.tools.cli import ToolError
 from training.tools.export import export_checkpoint, load_checkpoint_model
 
@@ -28,23 +28,6 @@ def _zero0_tag(root: Path, model: torch.nn.Module) -> Path:
     model.config.save(tag)
     (tag / "COMPLETE").write_text("")
     return tag
-
-
-def _tensors(d: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(d.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
-
-
-def assert_same_as_consolidated(checkpoint: Path, streamed: Path, tmp: Path) -> None:
-    """Every tensor of `streamed` equals (dtype and bits) the consolidated export's (model built, then saved)."""
-    model, _ = load_checkpoint_model(str(checkpoint))
-    save_hf_checkpoint(model, tmp / "consolidated")
-    a, b = _tensors(tmp / "consolidated"), _tensors(streamed)
-    assert a.keys() == b.keys()
-    for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
 
 
 @pytest.fixture(scope="module")
@@ -111,5 +94,5 @@ def test_a_killed_export_leaves_no_complete_looking_directory(mm_tag, tmp_path, 
 def test_text_state_with_a_tower_config_streams_text_only(tmp_path):
     tag = _zero0_tag(tmp_path, K3ForCausalLM(micro_mm_config()))
     out = Path(export_checkpoint(str(tag), str(tmp_path / "hf")))
-    assert not any(k.startswith("vision_tower.") for k in _tensors(out))
+    assert not any(k.startswith("vision_tower.") for k in tensors(out))
     assert_same_as_consolidated(tag, out, tmp_path)

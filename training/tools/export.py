@@ -42,7 +42,7 @@ from training.tools.cli import ToolError, parse_args, run_tool
 from training.tools.export_atomic import staged_output
 from training.tools.export_layout import FORMATS, HF_SHARD_BYTES, RELEASE_SHARD_BYTES, entries, hf_config
 from training.tools.export_lora import lora_model, write_adapters
-from training.tools.export_safetensors import Entry, plan_shards, shard_names, write_index, write_shard
+from training.tools.export_safetensors import Entry, Unmapper, plan_shards, write_index, write_shards
 from training.tools.export_sources import ModuleSource, Source, open_source
 
 
@@ -105,10 +105,7 @@ def _write(
 ) -> list[list[Entry]]:
     """config.json + the shards (one process), the index last."""
     shards = plan_shards(entries(config, source, fmt, where), max_shard_bytes or _shard_bytes(fmt))
-    names = shard_names(len(shards))
-    for i, part in enumerate(shards):
-        write_shard(os.path.join(staging, names[i]), part)
-        source.release()  # the pages this shard mapped leave the process
+    write_shards(staging, shards, after_each=Unmapper(source.release))  # the pages a tensor mapped leave the process
     write_index(staging, shards)
     return shards
 
@@ -166,10 +163,7 @@ def _write_part(tag_dir: str, work: str, fmt: str, shard_bytes: int, staging: st
     """One process of a parallel export: the shards i % procs == rank (the plan is the same in every process)."""
     config, source = _source_config(tag_dir, work)
     shards = plan_shards(entries(config, source, fmt, tag_dir), shard_bytes)
-    names = shard_names(len(shards))
-    for i in range(rank, len(shards), procs):
-        write_shard(os.path.join(staging, names[i]), shards[i])
-        source.release()
+    write_shards(staging, shards, rank, procs, after_each=Unmapper(source.release))
 
 
 def export_checkpoint(

@@ -49,6 +49,20 @@ class Entry:
         return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
 
 
+class Unmapper:
+    """`after_each` for write_shard: the source's `release()` once `every` bytes were read since the last one
+    (re-opening a mapped file per tensor would re-read its pickle every time)."""
+
+    def __init__(self, release: Callable[[], None], every: int = 256 * 1024**2) -> None:
+        self.release, self.every, self.read = release, every, 0
+
+    def __call__(self, nbytes: int) -> None:
+        self.read += nbytes
+        if self.read >= self.every:
+            self.release()
+            self.read = 0
+
+
 def plan_shards(entries: Sequence[Entry], max_shard_bytes: int) -> list[list[Entry]]:
     """Entries in order, cut into shards of at most `max_shard_bytes` (a bigger tensor gets a shard of its own)."""
     shards: list[list[Entry]] = [[]]
@@ -66,8 +80,10 @@ def shard_names(n: int) -> list[str]:
     return [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
 
-def write_shard(path: str, entries: Sequence[Entry]) -> None:
-    """One safetensors file, streamed: the header from the entries' shapes, then each tensor as it is made."""
+def write_shard(path: str, entries: Sequence[Entry], after_each: Callable[[int], None] | None = None) -> None:
+    """One safetensors file, streamed: the header from the entries' shapes, then each tensor as it is made;
+    `after_each(nbytes)` runs after every tensor (the export drops the source's file maps there: mapped pages
+    count in RSS)."""
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for e in entries:
@@ -84,21 +100,26 @@ def write_shard(path: str, entries: Sequence[Entry]) -> None:
                 raise ValueError(f"export: {e.key} came out {t.dtype} {tuple(t.shape)}, planned {e.dtype} {e.shape}")
             f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
             del t
+            if after_each is not None:
+                after_each(e.nbytes)
         f.flush()
         os.fsync(f.fileno())
     if on_shard_written is not None:
         on_shard_written(path)
 
 
-def write_shards(out_dir: str, shards: list[list[Entry]], rank: int = 0, procs: int = 1) -> list[str]:
+def write_shards(
+    out_dir: str,
+    shards: list[list[Entry]],
+    rank: int = 0,
+    procs: int = 1,
+    after_each: Callable[[int], None] | None = None,
+) -> list[str]:
     """Write the shards `i % procs == rank` of the plan into `out_dir`; returns their names."""
     names = shard_names(len(shards))
-    done = []
-    for i, entries in enumerate(shards):
-        if i % procs == rank:
-            write_shard(os.path.join(out_dir, names[i]), entries)
-            done.append(names[i])
-    return done
+    for i in range(rank, len(shards), procs):
+        write_shard(os.path.join(out_dir, names[i]), shards[i], after_each)
+    return names[rank::procs]
 
 
 def write_index(out_dir: str, shards: list[list[Entry]]) -> None:
