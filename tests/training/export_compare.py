@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from model import save_hf_checkpoint
+from model.lora import merge_lora
 from training.tools.export import load_checkpoint_model
 
 
@@ -21,6 +22,8 @@ def tensors(d: Path) -> dict[str, torch.Tensor]:
 def assert_same_as_consolidated(checkpoint: Path, streamed: Path, tmp: Path) -> None:
     """Every tensor of `streamed` equals (dtype and bits) the consolidated export's (model built, then saved)."""
     model, _ = load_checkpoint_model(str(checkpoint))
+    if hasattr(model, "lora_spec"):  # a LoRA checkpoint: base + adapters, merged in memory
+        merge_lora(model)
     save_hf_checkpoint(model, tmp / "consolidated")
     a, b = tensors(tmp / "consolidated"), tensors(streamed)
     assert a.keys() == b.keys()

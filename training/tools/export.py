@@ -32,7 +32,6 @@ import torch
 from data import DataError, load_tokenizer
 from model import K3Config, build_model
 from model.hf import VISION_PREFIXES
-from model.lora import merge_lora
 from model.vision.multimodal import K3ForConditionalGeneration
 from training.checkpoint import has_expert_files, resolve_checkpoint, verify_checkpoint
 from training.lora import read_adapter_record, read_adapter_weights
@@ -42,6 +41,7 @@ from training.tools.cli import ToolError, parse_args, run_tool
 from training.tools.export_atomic import staged_output
 from training.tools.export_layout import FORMATS, HF_SHARD_BYTES, RELEASE_SHARD_BYTES, entries, hf_config
 from training.tools.export_lora import lora_model, write_adapters
+from training.tools.export_lora_merge import LoRAMergeSource
 from training.tools.export_safetensors import Entry, Unmapper, plan_shards, write_index, write_shards
 from training.tools.export_sources import ModuleSource, Source, open_source
 
@@ -191,14 +191,19 @@ def export_checkpoint(
     record = None if hf_dir else read_adapter_record(tag_dir)
     if (adapters or merge) and record is None:
         raise ToolError(f"{tag_dir} is not a finetune=lora checkpoint; export it without --adapters/--merge")
-    if record is not None:  # adapters only, written whole beside DeepSpeed's shards (training/lora.py)
+    if record is not None and adapters:  # adapters only, written whole beside DeepSpeed's shards (training/lora.py)
         model = lora_model(record, read_adapter_weights(tag_dir))
-        if adapters:
-            with staged_output(out_dir, overwrite) as staging:
-                write_adapters(model, record, staging)
-            return out_dir
-        merge_lora(model)
-        return export_model(model, out_dir, fmt, overwrite, max_shard_bytes, tokenizer_dir=tag_dir)
+        with staged_output(out_dir, overwrite) as staging:
+            write_adapters(model, record, staging)
+        return out_dir
+    if record is not None:  # the base streamed from model.init_from, merged tensor by tensor
+        with staged_output(out_dir, overwrite) as staging:
+            source = LoRAMergeSource(record, tag_dir)
+            config = K3Config.from_hf_config(record["base.path"])
+            _write(staging, config, source, fmt, tag_dir, max_shard_bytes)
+            _save_config(staging, config, fmt)
+            _copy_tokenizer(tag_dir, staging)
+        return out_dir
     with staged_output(out_dir, overwrite) as staging:
         work = os.path.join(staging, ".work")  # ZeRO-3's universal conversion; removed before the rename
         config, source = _source_config(tag_dir, work)

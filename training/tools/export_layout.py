@@ -9,7 +9,7 @@
   tensors of HF_KEYS "per-tensor dtypes" in fp32, everything else bf16; config.json as released: `text_config`
   beside `vision_config` and `media_placeholder_token_id` for a multimodal model (a text model keeps the flat
   text config and spelling), plus compressed-tensors' quantisation block; shards of ~15 GB like the release's
-  (1,453.74 GB in 96).
+  (1,453.74 GiB in 96).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from training.tools.export_sources import Source
 
 FORMATS = ("hf", "release")
 HF_SHARD_BYTES = 5 * 1024**3  # model/hf.py's default
-RELEASE_SHARD_BYTES = 15_200_000_000  # the release: 1,453.74 GB in 96 shards
+RELEASE_SHARD_BYTES = 16_300_000_000  # the release: 1,453.74 GiB (1,561 GB) in 96 shards
 _STACKED = re.compile(r"^(.*\.block_sparse_moe\.experts)\.(w[123])$")
 EXPERT_TARGETS = r"re:.*block_sparse_moe\.experts\.\d+\.w[123]$"
 
