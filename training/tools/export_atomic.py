@@ -67,8 +67,8 @@ def check_out(out: str, overwrite: bool) -> None:
 def staged_output(out: str, overwrite: bool = False) -> Iterator[str]:
     """Yield a fresh staging directory beside `out`; on normal exit it becomes `out`, on an exception it is
     removed (a kill leaves it hidden, to be swept by the next export)."""
-    out = os.path.abspath(out)
     check_out(out, overwrite)
+    out = os.path.abspath(out)
     os.makedirs(os.path.dirname(out), exist_ok=True)
     _remove_dead_staging(out)
     parent, name = os.path.split(out)
