@@ -5,6 +5,8 @@
     python -m training.export <run> <out_dir> --format release  (MXFP4 experts, bf16, the release's config)
     python -m training.export <run> <out_dir> --overwrite       (replace a non-empty out_dir, atomically)
     python -m training.export <run> <out_dir> --procs 4         (4 processes write disjoint shards)
+    python -m training.export <run> <out_dir> --shard-bytes N   (shards of at most N bytes: 5 GiB, release 16.3 GB)
+    torchrun/deepspeed/srun ... -m training.export <run> <out_dir>  (every launched rank writes its share)
     python -m training.export <lora run> <out_dir> --adapters   (finetune=lora: PEFT adapter files)
     python -m training.export <lora run> <out_dir> --merge      (finetune=lora: base + merged adapters, HF)
 
@@ -42,6 +44,7 @@ from training.tools.export_atomic import staged_output
 from training.tools.export_layout import FORMATS, HF_SHARD_BYTES, RELEASE_SHARD_BYTES, entries, hf_config
 from training.tools.export_lora import lora_model, write_adapters
 from training.tools.export_lora_merge import LoRAMergeSource
+from training.tools.export_ranks import export_ranks, launched_world
 from training.tools.export_safetensors import Entry, Unmapper, plan_shards, write_index, write_shards
 from training.tools.export_sources import ModuleSource, Source, open_source
 
@@ -204,6 +207,14 @@ def export_checkpoint(
             _save_config(staging, config, fmt)
             _copy_tokenizer(tag_dir, staging)
         return out_dir
+    if launched_world() > 1:  # started by a launcher: every rank writes its share of the shards
+
+        def finish(staging: str, config: K3Config) -> None:
+            _save_config(staging, config, fmt)
+            _copy_tokenizer(tag_dir, staging)
+
+        shard_bytes = max_shard_bytes or _shard_bytes(fmt)
+        return export_ranks(tag_dir, out_dir, fmt, overwrite, shard_bytes, _source_config, finish)
     with staged_output(out_dir, overwrite) as staging:
         work = os.path.join(staging, ".work")  # ZeRO-3's universal conversion; removed before the rename
         config, source = _source_config(tag_dir, work)
@@ -232,7 +243,7 @@ def export_checkpoint(
     return out_dir
 
 
-_VALUED = ("--format", "--procs")
+_VALUED = ("--format", "--procs", "--shard-bytes")
 
 
 def _main(argv: list[str]) -> int:
@@ -249,7 +260,8 @@ def _main(argv: list[str]) -> int:
     unknown = flags - {"--adapters", "--merge", "--overwrite"}
     if unknown:
         raise ToolError(
-            f"unknown flag {sorted(unknown)[0]}; the flags are --adapters, --merge, --overwrite, --format, --procs"
+            f"unknown flag {sorted(unknown)[0]}; the flags are --adapters, --merge, --overwrite, --format, --procs, "
+            "--shard-bytes"
         )
     a = parse_args(
         [x for x in args if x not in flags],
@@ -257,9 +269,10 @@ def _main(argv: list[str]) -> int:
         positional=("checkpoint", "out"),
         kinds={"checkpoint": str, "out": str},
     )
-    procs = values.get("--procs", "1")
-    if not procs.isdigit():
-        raise ToolError(f"--procs {procs!r} must be a positive integer")
+    procs, shard_bytes = values.get("--procs", "1"), values.get("--shard-bytes", "0")
+    for flag, v in (("--procs", procs), ("--shard-bytes", shard_bytes)):
+        if not v.isdigit():
+            raise ToolError(f"{flag} {v!r} must be a positive integer")
     out = export_checkpoint(
         a["checkpoint"],
         a["out"],
@@ -268,6 +281,7 @@ def _main(argv: list[str]) -> int:
         fmt=values.get("--format", "hf"),
         overwrite="--overwrite" in flags,
         procs=int(procs),
+        max_shard_bytes=int(shard_bytes) or None,
     )
     print(f"exported {a['checkpoint']} -> {out}")
     return 0

@@ -63,11 +63,8 @@ def check_out(out: str, overwrite: bool) -> None:
         raise ToolError(f"{out} exists and is not empty; pass --overwrite to replace it, or pick another directory")
 
 
-@contextlib.contextmanager
-def staged_output(out: str, overwrite: bool = False) -> Iterator[str]:
-    """Yield a fresh staging directory beside `out`; on normal exit it becomes `out`, on an exception it is
-    removed (a kill leaves it hidden, to be swept by the next export)."""
-    check_out(out, overwrite)
+def new_staging(out: str) -> str:
+    """A fresh `.<name>.partial-<pid>` beside `out` (dead exports' leftovers removed first)."""
     out = os.path.abspath(out)
     os.makedirs(os.path.dirname(out), exist_ok=True)
     _remove_dead_staging(out)
@@ -75,6 +72,16 @@ def staged_output(out: str, overwrite: bool = False) -> Iterator[str]:
     staging = os.path.join(parent, f".{name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging)
+    return staging
+
+
+@contextlib.contextmanager
+def staged_output(out: str, overwrite: bool = False) -> Iterator[str]:
+    """Yield a fresh staging directory beside `out`; on normal exit it becomes `out`, on an exception it is
+    removed (a kill leaves it hidden, to be swept by the next export)."""
+    check_out(out, overwrite)
+    out = os.path.abspath(out)
+    staging = new_staging(out)
     try:
         yield staging
     except BaseException:

@@ -179,7 +179,9 @@ class UniversalSource(Zero0Source):
 
         self.file = model_states_file(tag_dir)
         self._states = None
-        root, tag = convert(tag_dir, work_dir, is_main=True)
+        tag = os.path.basename(tag_dir.rstrip("/"))
+        done = os.path.join(work_dir, "universal", tag, "DONE")  # converted by rank 0 of a launched export already
+        root = os.path.join(work_dir, "universal") if os.path.isfile(done) else convert(tag_dir, work_dir, True)[0]
         self.zero = os.path.join(root, tag, "zero")
         params = {n for n in os.listdir(self.zero) if os.path.isfile(os.path.join(self.zero, n, "fp32.pt"))}
         states = self.states()
