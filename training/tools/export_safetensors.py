@@ -50,14 +50,15 @@ class Entry:
 
 
 class Unmapper:
-    """`after_each` for write_shard: the source's `release()` once `every` bytes were read since the last one
-    (re-opening a mapped file per tensor would re-read its pickle every time)."""
+    """`after_each` for write_shard: the source's `release()` once about `every` bytes of the checkpoint were
+    mapped since the last one (re-opening a mapped file per tensor would re-read its pickle every time). An entry
+    reads its elements in fp32 (4 bytes each); a uint8 MXFP4 entry packs 2 elements per byte (8 bytes read)."""
 
     def __init__(self, release: Callable[[], None], every: int = 256 * 1024**2) -> None:
         self.release, self.every, self.read = release, every, 0
 
-    def __call__(self, nbytes: int) -> None:
-        self.read += nbytes
+    def __call__(self, e: Entry) -> None:
+        self.read += math.prod(e.shape) * (8 if e.dtype == torch.uint8 else 4)
         if self.read >= self.every:
             self.release()
             self.read = 0
@@ -80,9 +81,9 @@ def shard_names(n: int) -> list[str]:
     return [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
 
-def write_shard(path: str, entries: Sequence[Entry], after_each: Callable[[int], None] | None = None) -> None:
+def write_shard(path: str, entries: Sequence[Entry], after_each: Callable[[Entry], None] | None = None) -> None:
     """One safetensors file, streamed: the header from the entries' shapes, then each tensor as it is made;
-    `after_each(nbytes)` runs after every tensor (the export drops the source's file maps there: mapped pages
+    `after_each(entry)` runs after every tensor (the export drops the source's file maps there: mapped pages
     count in RSS)."""
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
@@ -101,7 +102,7 @@ def write_shard(path: str, entries: Sequence[Entry], after_each: Callable[[int],
             f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
             del t
             if after_each is not None:
-                after_each(e.nbytes)
+                after_each(e)
         f.flush()
         os.fsync(f.fileno())
     if on_shard_written is not None:
@@ -113,7 +114,7 @@ def write_shards(
     shards: list[list[Entry]],
     rank: int = 0,
     procs: int = 1,
-    after_each: Callable[[int], None] | None = None,
+    after_each: Callable[[Entry], None] | None = None,
 ) -> list[str]:
     """Write the shards `i % procs == rank` of the plan into `out_dir`; returns their names."""
     names = shard_names(len(shards))
