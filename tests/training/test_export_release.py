@@ -5,8 +5,6 @@ included); the golden tiny checkpoint survives load -> export -> load with its l
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -16,9 +14,7 @@ from safetensors.torch import load_file
 from model import K3ForConditionalGeneration, load_hf_checkpoint
 from model.hf import FP32_SUFFIXES
 from tests.model.vision_micro import micro_mm_config, randomise
-from training.tools.export import export_model
-
-REPO = Path(__file__).resolve().parents[2]
+from training.tools.export import export_checkpoint, export_model
 
 
 def _tensors(d: Path) -> dict[str, torch.Tensor]:
@@ -36,13 +32,7 @@ def _golden_logits(ckpt: Path, golden: Path) -> tuple[torch.Tensor, torch.Tensor
 
 def test_golden_tiny_release_export_round_trips_byte_for_byte(golden_tiny_dir, tmp_path):
     r1, r2, hf = tmp_path / "r1", tmp_path / "r2", tmp_path / "hf"
-    p = subprocess.run(  # the CLI on the HF directory itself: load -> export, streamed
-        [sys.executable, "-m", "training.export", str(golden_tiny_dir), str(r1), "--format", "release"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
-    assert p.returncode == 0, p.stderr[-2000:]
+    export_checkpoint(str(golden_tiny_dir), str(r1), fmt="release")  # the HF directory itself: load -> export
     export_model(load_hf_checkpoint(r1), str(r2), fmt="release", max_shard_bytes=400_000)  # loaded, untouched
     a, b = _tensors(r1), _tensors(r2)
     assert a.keys() == b.keys() and len(list(r2.glob("*.safetensors"))) > 1
