@@ -10,6 +10,7 @@ little-endian bytes), header first, then tensor after tensor: the working set is
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -54,13 +55,14 @@ class Unmapper:
     mapped since the last one (re-opening a mapped file per tensor would re-read its pickle every time). An entry
     reads its elements in fp32 (4 bytes each); a uint8 MXFP4 entry packs 2 elements per byte (8 bytes read)."""
 
-    def __init__(self, release: Callable[[], None], every: int = 256 * 1024**2) -> None:
+    def __init__(self, release: Callable[[], None], every: int = 64 * 1024**2) -> None:
         self.release, self.every, self.read = release, every, 0
 
     def __call__(self, e: Entry) -> None:
         self.read += math.prod(e.shape) * (8 if e.dtype == torch.uint8 else 4)
         if self.read >= self.every:
             self.release()
+            gc.collect()  # torch.load's mapped storage can sit in a reference cycle: unmapped only when collected
             self.read = 0
 
 
