@@ -5,8 +5,8 @@ checkpoint pages (training/tools/export_safetensors.py `Unmapper`) above the int
 model's size. The time is the larger of the I/O (fp32 master weights read, shards written; for a ZeRO-3 checkpoint
 also DeepSpeed's universal conversion, which reads the ranks' fp32 weights and Adam moments and writes them per
 parameter) over the nodes' disk bandwidth, and the MXFP4 quantisation of the routed experts (release layout) over
-the processes: shards are disjoint, so N nodes x P processes divide both. `QUANT_ELEMENTS_PER_S` and
-`BASELINE_GB` are measured by bench/export.py (one process, named CPU in bench/results/export.json).
+the processes: shards are disjoint, so N nodes x P processes divide both. `QUANT_ELEMENTS_PER_S` is the CPU time
+of one thread quantising a K3-sized expert, `BASELINE_GB` the post-import RSS bench/export.py measures.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from training.tools.export_layout import HF_SHARD_BYTES, RELEASE_SHARD_BYTES
 GB = 1e9
 BASELINE_GB = 0.3  # RSS of a process after importing torch + the exporter (bench/export.py)
 UNMAP_GB = 64 * 1024**2 / GB  # mapped checkpoint pages kept before the export unmaps them
-QUANT_ELEMENTS_PER_S = 30e6  # pack_mxfp4 per process (bench/export.py: release - streamed time over expert elements)
+QUANT_ELEMENTS_PER_S = 19.5e6  # pack_mxfp4 of a K3 expert [3072, 3584], CPU time of one thread (AMD EPYC, 2026-12-06)
 
 
 def export_plan(
@@ -75,7 +75,7 @@ def export_rows(e: dict[str, Any]) -> list[tuple[str, str]]:
     rows.append(
         (
             "export memory",
-            f"{e['memory_per_process_gb']:.1f} GB per process (one tensor + 0.07 GB mapped)"
+            f"{e['memory_per_process_gb']:.1f} GB per process (one tensor + 64 MiB mapped)"
             + (f"; ZeRO-3: +{conv:.0f} GB I/O for DeepSpeed's universal conversion" if conv else ""),
         )
     )
