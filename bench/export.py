@@ -8,7 +8,9 @@ writes), then every export runs in a fresh child process: `consolidated` (today'
 load_checkpoint_model + save_hf_checkpoint), `streamed` (`--format hf`, 1 process), `streamed xN` (N processes),
 `release` (`--format release`: MXFP4 experts, bf16). Reported: the peak RSS of the export (ru_maxrss of the
 process; for N processes, of the largest one and the sum of all) minus the RSS after imports, as a fraction of the
-model's fp32 bytes (goal for the streamed export: <= 0.25), and the wall time. Mapped checkpoint pages count in
+model's fp32 bytes (goal for the streamed export: <= 0.25), and the wall time. The peak is VmHWM: Linux's
+ru_maxrss carries the parent's RSS over fork + exec, so a child started by a parent holding the model would report
+the parent's size. Mapped checkpoint pages count in
 RSS (the streamed export unmaps them after each tensor), written pages do not (page cache).
 """
 
@@ -36,9 +38,9 @@ CASES = {
 }
 
 
-def _rss_kib() -> int:
+def _status_kib(key: str) -> int:
     with open("/proc/self/status", encoding="utf-8") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
 
 
 def child(mode: str, tag: str, out: str, procs: int) -> None:
@@ -46,7 +48,7 @@ def child(mode: str, tag: str, out: str, procs: int) -> None:
     from model import save_hf_checkpoint
     from training.tools.export import export_checkpoint, load_checkpoint_model
 
-    base = _rss_kib()
+    base = _status_kib("VmRSS")
     t0 = time.perf_counter()
     if mode == "consolidated":
         model, _ = load_checkpoint_model(tag)
@@ -54,7 +56,7 @@ def child(mode: str, tag: str, out: str, procs: int) -> None:
     else:
         export_checkpoint(tag, out, fmt="release" if mode == "release" else "hf", procs=procs)
     seconds = time.perf_counter() - t0
-    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    own = _status_kib("VmHWM")  # (ru_maxrss keeps the parent's RSS across fork + exec: not this process's peak)
     kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     print(json.dumps({"base_kib": base, "peak_kib": own, "children_peak_kib": kids, "seconds": seconds}))
 
@@ -72,6 +74,7 @@ def _checkpoint(root: Path, spec: dict) -> tuple[Path, int]:
     config.save(tag)
     (tag / "COMPLETE").write_text("")
     fp32 = sum(t.numel() * 4 for t in model.state_dict().values())
+    del model
     return tag, fp32
 
 
