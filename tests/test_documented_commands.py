@@ -46,6 +46,8 @@ EXEMPT = {
     "OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu .venv/bin/python -m bench.startup --reps 2 --launcher": "as above",
     "python -m bench.sharded_start": "a 1.7 GB checkpoint through 1- and 2-rank jobs (minutes, ~20 GB RAM); "
     "tests/distributed/test_zero3_ep.py checks the sharded start it measures",
+    "python -m bench.export": "exports small and a 2.4 GB model from 8 child processes (minutes, ~8 GB RAM); "
+    "tests/training/test_export_stream.py checks the streamed export it measures",
     "python -m bench.lora": "four 2-rank jobs on small (~10 min); tests/training/test_lora_plan.py runs its tiny job",
     "python -m bench.memory_dist": "2-rank ZeRO-3 jobs on tiny and small (minutes); bench/results/memory_dist.json",
     "python -m bench.memory --sp tiny:4096": "1- and 2-rank launcher jobs (~2.5 min even at tiny:64); "

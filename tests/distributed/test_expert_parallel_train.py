@@ -165,6 +165,15 @@ def test_hf_export_is_the_same_whatever_the_ep_size(jobs, tmp_path):
         torch.testing.assert_close(sd2[k], sd1[k], rtol=1e-3, atol=1e-5)
 
 
+def test_streamed_export_of_per_expert_files_equals_the_consolidated_one(jobs, tmp_path):
+    from tests.training.export_compare import assert_same_as_consolidated
+    from training.tools.export import export_checkpoint
+
+    tag = _step_dir(jobs["ep2"], RESUME_AT)  # each expert read from its own layer_*_expert_* file
+    export_checkpoint(str(tag), str(tmp_path / "hf"), max_shard_bytes=200_000)
+    assert_same_as_consolidated(tag, tmp_path / "hf", tmp_path)
+
+
 def test_ep2_shards_read_layout_free_give_each_global_expert_the_moments_of_the_ep1_job(jobs):
     # the same model trained at EP=2 (2 ranks) and EP=1 (1 rank): expert g's Adam moments agree up to the jobs'
     # fp32 rounding differences, so a misplaced expert (another id's rows) fails by orders of magnitude

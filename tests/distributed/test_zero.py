@@ -118,3 +118,13 @@ def test_training_starts_from_an_hf_checkpoint(ref_run, runs_root):
     )
     # same first batch as the reference's step 1, but weights trained for REF_STEPS steps: a lower loss
     assert res.losses()[1] < ref_run.losses()[1] - 0.05
+
+
+def test_streamed_export_of_2_rank_zero_partitions_equals_the_consolidated_one(zero_runs, tmp_path):
+    from tests.training.export_compare import assert_same_as_consolidated
+    from training.tools.export import export_checkpoint
+
+    run = zero_runs[1]  # each parameter read piece by piece from both ranks' fp32 partitions (ZeRO-2: test above)
+    out = export_checkpoint(str(run.run_dir), str(tmp_path / "hf"), max_shard_bytes=200_000)
+    assert_same_as_consolidated(run.run_dir, tmp_path / "hf", tmp_path)
+    assert out == str(tmp_path / "hf")

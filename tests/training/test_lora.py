@@ -15,6 +15,7 @@ from model import load_hf_checkpoint
 from model.lora import is_adapter_param
 from tests.distributed.conftest import must_succeed, run_training
 from tests.lora_base import make_base
+from tests.training.export_compare import assert_same_as_consolidated
 from training.config import TrainConfigError, compose, validate
 from training.tools.export import export_checkpoint, load_checkpoint_model
 
@@ -80,6 +81,8 @@ def test_mxfp4_merged_export_gives_the_trained_models_logits(root, mxfp4):
     ids = torch.randint(0, trained.config.vocab_size, (2, 33))
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, trained.eval()(ids).logits, rtol=1e-5, atol=1e-5)
+    # streamed from the base (quantised per expert as in training) == built in memory and merged, bitwise
+    assert_same_as_consolidated(mxfp4.run_dir, Path(out), root / "mxfp4-merged-cmp")
 
 
 def test_lora_without_init_from_is_refused_in_one_line():
@@ -148,6 +151,7 @@ def test_merged_export_gives_the_trained_models_logits(root, ref):
     ids = torch.randint(0, trained.config.vocab_size, (2, 33))
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, trained(ids).logits, rtol=1e-5, atol=1e-5)
+    assert_same_as_consolidated(ref.run_dir, Path(out), root / "merged-cmp")  # streamed == merged in memory
 
 
 @pytest.mark.parametrize(

@@ -27,14 +27,19 @@ PEFT_PREFIX = "base_model.model.language_model."  # PEFT's wrapper + the release
 _EXPERT_FACTOR = re.compile(r"^(.*\.experts)\.lora\.(w[123])_([AB])$")
 
 
-def lora_model(record: dict, state: dict[str, torch.Tensor]) -> K3ForCausalLM:
-    """The trained model: the base named in `record` (refused in one line if its content changed) + adapters."""
+def check_base(record: dict) -> None:
+    """The base named in `record` exists and has the content it had in training, else one line."""
     base = record["base.path"]
     if not os.path.isdir(base):
         raise FileNotFoundError(f"the LoRA base {base} is gone; restore it (the checkpoint holds adapters only)")
     if base_identity(base)["base.hash"] != record["base.hash"]:
         raise ValueError(f"the LoRA base {base} changed since training (content hash differs); restore that base")
-    model = load_hf_checkpoint(base, dtype=torch.float32)
+
+
+def lora_model(record: dict, state: dict[str, torch.Tensor]) -> K3ForCausalLM:
+    """The trained model: the base named in `record` (refused in one line if its content changed) + adapters."""
+    check_base(record)
+    model = load_hf_checkpoint(record["base.path"], dtype=torch.float32)
     apply_lora(model, spec_of(record))
     want = set(adapter_state(model))
     have = {k: v for k, v in state.items() if k in want}

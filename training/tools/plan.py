@@ -23,6 +23,7 @@ from training.metrics.flops import flops_per_token
 from training.metrics.system import GPU_PEAK_BF16
 from training.tools.activation_memory import activation_bytes, loss_backward_bytes
 from training.tools.lora_memory import lora_terms
+from training.tools.plan_export import export_plan
 from training.tools.plan_table import format_table
 from training.tools.vision_memory import DEFAULT_SIDE, vision_terms
 
@@ -44,6 +45,8 @@ class Hardware:
     dp_overlap: float = 0.8  # fraction of gradient reduction hidden behind backward
     reserve_gb: float = 4.0  # CUDA context, NCCL buffers, allocator fragmentation
     attention: str = "flash"  # flash (fused kernels; also CPU training) | math (SDPA math path keeps T x T probs)
+    disk_gbps: float = 2.0  # checkpoint/export storage, GB/s read + write per node (training/tools/plan_export.py)
+    export_procs: int = 8  # export processes per node (training.export --procs)
 
     @property
     def world(self) -> int:
@@ -313,6 +316,7 @@ def plan(
             "sp_all_to_all_per_layer": sp_a2a / max(1, config.num_hidden_layers) / GB,
         },
         "vision": vision,
+        "export": export_plan(config, bd, hw.nodes, hw.export_procs, hw.disk_gbps, z),
         "warnings": list(warnings),
         "peak_rule": {
             "backward": [k for k in BACKWARD_TERMS if k in gpu],

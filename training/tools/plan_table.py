@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from training.tools.plan_export import export_rows
+
 
 def _fmt_n(n: float) -> str:
     for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
@@ -91,6 +93,7 @@ def format_table(p: dict[str, Any]) -> str:
         ),
         ("throughput", f"{t['tokens_per_s']:,.0f} tokens/s ({t['tokens_per_s_per_gpu']:,.0f} per GPU)"),
     ]
+    rows += export_rows(p["export"]) if "export" in p else []
     rows += [("warning", w) for w in p.get("warnings", [])]
     w = max(len(r[0]) for r in rows)
     return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
