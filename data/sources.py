@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 from data.chat import CHAT_SKIP_REASONS, ChatDoc, ChatRowError, conversation_images, normalize_messages
 from data.config import DataError, SourceConfig, file_digest
+from data.holdout import keeps
 
 TEXT_SKIP_REASONS = ("invalid_utf8", "malformed_json", "missing_field", "not_text", "empty")
 SKIP_REASONS = TEXT_SKIP_REASONS + CHAT_SKIP_REASONS
@@ -196,6 +197,8 @@ class SourceStream:
         if self._it is None:
             self._start()
         for record in self._it:
+            if not keeps(self.src, record):  # the other side of a held-out split (data/holdout.py)
+                continue
             self.read += 1
             self.total_read += 1
             doc, reason = self._parse(record)
