@@ -18,8 +18,8 @@ from typing import Optional, Union
 import sentencepiece as spm
 
 from data.config import DataConfig, DataError, cache_dir, coerce_config, digest, source_names
-from data.holdout import whole_source
 from data.files import atomic_write
+from data.holdout import whole_source
 from data.tokenizer_base import KINDS, AllowedSpecial, Tokenizer
 
 _MAX_LINE_CHARS = 4096  # sentencepiece drops longer training sentences; longer lines are cut into pieces
