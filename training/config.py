@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from data import DataConfig, SourceConfig
 from model.config import ConfigError, K3Config, preset_names
 from model.presets import preset_vision
+from training.eval.checks import check_eval
 from training.checks import (
     TrainConfigError,
     check_data_config,
@@ -450,4 +451,5 @@ def validate(cfg: DictConfig, world_size: int) -> K3Config:
     check_data_config(cfg.data)
     check_tokenizer(cfg, mcfg)
     check_lora(cfg)
+    check_eval(cfg)
     return mcfg

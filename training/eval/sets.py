@@ -18,10 +18,11 @@ import torch
 from data import DataConfig, DataError, GlobalBatchLoader, SourceConfig
 from data.holdout import heldout_part
 from model.k3 import IGNORE_INDEX, shift_targets
+from training.checks import TrainConfigError
 
 
-class EvalConfigError(ValueError):
-    """Bad evaluation input: one line naming the problem and the fix (a TrainConfigError at config time)."""
+class EvalConfigError(TrainConfigError):
+    """Bad evaluation input: one line naming the problem and the fix; the run exits 2 before its first step."""
 
 
 @dataclass
