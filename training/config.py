@@ -26,7 +26,6 @@ from omegaconf import DictConfig, OmegaConf
 from data import DataConfig, SourceConfig
 from model.config import ConfigError, K3Config, preset_names
 from model.presets import preset_vision
-from training.eval.checks import check_eval
 from training.checks import (
     TrainConfigError,
     check_data_config,
@@ -35,6 +34,7 @@ from training.checks import (
     check_sequence_parallel,
     check_tokenizer,
 )
+from training.eval.checks import check_eval
 
 
 class Choice(str, Enum):
@@ -244,6 +244,7 @@ class CheckpointSection:
     fallback: bool = False  # resume: a corrupted newest checkpoint falls back to the previous complete one
     allow_changes: List[str] = field(default_factory=list)  # resume despite these changes: train.steps|data|optim.lr
     start_over: bool = False  # archive the run dir's previous run (archive/<UTC time>/) and start fresh
+    keep_best: Optional[str] = None  # eval/<set or task>/<metric>: keep + mark the best checkpoint (checkpoint/best.py)
 
 
 @dataclass

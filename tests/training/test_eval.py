@@ -15,7 +15,6 @@ from omegaconf import OmegaConf
 
 from data import DataConfig, SourceConfig, prepare_tokenizer
 from model import build_model
-from model.k3 import IGNORE_INDEX
 from tests.model.micro import exercise_every_path, micro_config
 from training.eval.choice import ChoiceTask, Item
 from training.eval.forward import EvalContext
@@ -42,7 +41,23 @@ def model(tok):
 def docs_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("eval") / "docs.jsonl"
     rng = random.Random(0)
-    words = "def return import class self value index data while for in if else None True".split()
+    words = [
+        "def",
+        "return",
+        "import",
+        "class",
+        "self",
+        "value",
+        "index",
+        "data",
+        "while",
+        "for",
+        "in",
+        "if",
+        "else",
+        "None",
+        "True",
+    ]
     docs = [" ".join(rng.choice(words) for _ in range(rng.randint(5, 60))) for _ in range(40)]
     path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     return path

@@ -63,8 +63,11 @@ def orphans(root: str) -> list[str]:
 
 
 def resolve_checkpoint(path: str) -> str:
-    """Accept a tag dir, a checkpoints/ dir or a run dir; return a COMPLETE tag dir or raise one line."""
+    """Accept a tag dir, a checkpoints/ dir, a run dir or a `latest` / `best` marker file (checkpoint.keep_best);
+    return a COMPLETE tag dir or raise one line."""
     path = os.path.abspath(path)
+    if os.path.basename(path) in (LATEST, "best") and os.path.isfile(path):  # a marker: the tag it names
+        path = os.path.join(os.path.dirname(path), open(path, encoding="utf-8").read().strip())
     if is_complete(path):
         return path
     for root in (path, os.path.join(path, "checkpoints")):

@@ -24,6 +24,7 @@ class EvalCallback(Callback):
         self.suite: EvalSuite | None = None
         self.best: dict[str, float] = {}
         self.last: dict[str, float] = {}  # the newest evaluation (checkpoint.keep_best reads it)
+        self.last_step = -1
 
     def _ctx(self, trainer: Any) -> EvalContext:
         rows = int(self.cfg.eval.batch_rows) or int(self.cfg.train.micro_batch_size)
@@ -37,7 +38,7 @@ class EvalCallback(Callback):
             v, b = metrics[k], self.best.get(k)
             if b is None or (v < b if g == "min" else v > b):
                 self.best[k] = v
-        self.last = metrics
+        self.last, self.last_step = metrics, trainer.step
         trainer.logger.log_eval(trainer.step, {"tokens_seen": trainer.tokens_seen, **metrics}, goals)
         if trainer.is_main:
             shown = " ".join(f"{k.removeprefix('eval/')}={v:.4g}" for k, v in metrics.items() if _shown(k))
@@ -70,4 +71,10 @@ def eval_callbacks(cfg: Any) -> list[Callback]:
     e = cfg.get("eval")
     if e is None or not (int(e.every) or bool(e.on_start)) or not (len(e.sets) or len(e.tasks)):
         return []
-    return [EvalCallback(cfg)]
+    evaluation = EvalCallback(cfg)
+    metric = cfg.checkpoint.get("keep_best")
+    if not metric:
+        return [evaluation]
+    from training.checkpoint.best import KeepBest
+
+    return [evaluation, KeepBest(str(metric), goal(str(metric)) or "min", evaluation)]

@@ -56,3 +56,14 @@ def check_eval(cfg: DictConfig) -> None:
         cls.check(spec, cfg)
     dup = sorted({n for n in names if names.count(n) > 1})
     _need(not dup, f"eval set/task names {dup} repeat: give each a distinct name (metrics are eval/<name>/...)")
+    best = cfg.checkpoint.get("keep_best")
+    if best:
+        from training.eval.suite import goal
+
+        parts = str(best).split("/", 2)
+        _need(
+            len(parts) == 3 and parts[0] == "eval" and parts[1] in names and goal(str(best)) is not None,
+            f"checkpoint.keep_best={best} is not a metric this run evaluates: give eval/<set or task>/<loss|ppl|bpb|"
+            f"acc|acc_norm> with one of the names {names or '(none configured)'}",
+        )
+        _need(e.every > 0, f"checkpoint.keep_best={best} needs evaluations: set eval.every > 0")

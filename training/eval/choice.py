@@ -4,10 +4,11 @@ Items are JSON lines `{ctx | ctx_a + ctx_b, endings: [...], label: int | str, ac
 `hellaswag` dataset's rows: `dataset: hellaswag`, `split: validation`). As lm-eval-harness does, the context is
 `activity_label: ctx` and each ending is scored as the continuation `" " + ending`: its tokens are
 `encode(context + continuation)[len(encode(context)):]` and its score the summed log-likelihood of those tokens
-given the context (no sampling). `acc`: the best-scoring ending is the label; `acc_norm`: the same with each score
-divided by the continuation's length in characters (leading space included; lm-eval / OLMo). Every (item, ending)
-pair is one document segment of a packed row; rows are sharded over data-parallel ranks and the per-pair sums
-all-reduced, so the numbers are the same at any layout. `limit` keeps the first N items.
+given the context (no sampling); `context_tokens` keeps only the context's last tokens. `acc`: the best-scoring
+ending is the label; `acc_norm`: the same with each score divided by the continuation's length in characters
+(leading space included; lm-eval / OLMo). Every (item, ending) pair is one document segment of a packed row; rows
+are sharded over data-parallel ranks and the per-pair sums all-reduced, so the numbers are the same at any layout.
+`limit` keeps the first N items.
 
 `source: embedded` is the shipped task, built deterministically from the held-out share of the embedded corpus
 (data/holdout.py, never trained on): a snippet of a standard-library module, and which of 4 lines really comes
@@ -115,6 +116,7 @@ class ChoiceTask:
         self.pairs: list[tuple[int, int]] = []  # (item, ending) per scored continuation
         self.chars: list[int] = []
         segs = []  # (ids, first continuation position) per pair
+        max_ctx = int(spec.get("context_tokens") or seq_len)  # the context's last tokens kept (cheaper scoring)
         for i, it in enumerate(self.items):
             ctx_ids = tokenizer.encode(it.context)
             for j, ending in enumerate(it.endings):
@@ -123,7 +125,7 @@ class ChoiceTask:
                 cont_ids = whole[len(ctx_ids) :] if whole[: len(ctx_ids)] == ctx_ids else tokenizer.encode(cont)
                 if not cont_ids:
                     raise EvalConfigError(f"eval task {name}: item {i} ending {j} has no tokens")
-                ids = (ctx_ids + cont_ids)[-seq_len:]
+                ids = (ctx_ids[-max_ctx:] + cont_ids)[-seq_len:]
                 if len(ids) <= len(cont_ids):
                     raise EvalConfigError(
                         f"eval task {name}: item {i} ending {j} needs {len(cont_ids) + 1} tokens > train.seq_len="

@@ -100,7 +100,7 @@ def consolidate(path: str, work: str) -> tuple[str, str | None, str]:
     if is_hf_dir(path):
         return path, None, path
     tag_dir = resolve_checkpoint(path)
-    return os.path.join(work, "hf"), run_config_of(tag_dir), path
+    return os.path.join(work, "hf"), run_config_of(tag_dir), path if os.path.isdir(path) else tag_dir
 
 
 def export_to(tag_dir_or_run: str, hf_dir: str) -> None:
