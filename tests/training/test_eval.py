@@ -159,3 +159,23 @@ def test_choice_files_with_bad_lines_are_refused_naming_the_line(tmp_path):
     path.write_text(json.dumps({"ctx": "a", "endings": ["b", "c"], "label": 2}) + "\n")
     with pytest.raises(EvalConfigError, match="outside endings"):
         read_jsonl(str(path))
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["eval.sets=[{name: x, sources: [{type: jsonl, path: /nonexistent/x.jsonl}]}]"], "does not exist"),
+        (["eval.tasks=[{type: nosuch, name: t}]"], "unknown task type 'nosuch'"),
+        (["eval=heldout", "data.sources=[{type: embedded}]"], "none holds any out: set data.sources"),
+        (["eval.tasks=[{type: choice, name: t, path: /nonexistent/mc.jsonl}]"], "does not exist"),
+        (["eval.tasks=[{type: choice, name: t}]"], "give exactly one of path"),
+        (["eval=heldout", "eval.tasks=[{type: choice, name: heldout, source: embedded}]"], "repeat"),
+    ],
+)
+def test_bad_eval_config_is_one_line_before_any_process_group(overrides, message):
+    from training.checks import TrainConfigError
+    from training.config import compose, validate
+
+    with pytest.raises(TrainConfigError, match=message) as e:
+        validate(compose(overrides), 1)
+    assert "\n" not in str(e.value)
