@@ -58,7 +58,8 @@ class EvalCallback(Callback):
             self.evaluate(trainer)
 
     def on_train_end(self, trainer: Any, summary: dict[str, Any]) -> None:
-        summary.update({f"best/{k}": v for k, v in self.best.items()})
+        # a metric's best (not every position bucket / passkey cell: those stay in metrics.jsonl)
+        summary.update({f"best/{k}": v for k, v in self.best.items() if k.count("/") == 2})
 
 
 def _shown(key: str) -> bool:

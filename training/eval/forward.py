@@ -37,6 +37,8 @@ class EvalContext:
     sp_size: int = 1
     batch_rows: int = 4  # rows per rank per forward
     media_id: int | None = None
+    out_dir: str | None = None  # where tasks write their tables / plots (the run dir); rank 0 only
+    is_main: bool = True
 
     @classmethod
     def of_trainer(cls, trainer: Any, batch_rows: int) -> EvalContext:
@@ -50,6 +52,8 @@ class EvalContext:
             sp,
             batch_rows,
             trainer.mcfg.media_placeholder_token_id,
+            str(trainer.run_dir),
+            bool(trainer.is_main),
         )
 
 
