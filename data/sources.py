@@ -41,8 +41,10 @@ _MIN_RECORDS_FOR_BAD_CHECK = 100
 def resolve_files(src: SourceConfig, index: int) -> list[str]:
     """Local files of a source, sorted: a file, a directory (recursive, by extension) or a glob."""
     if src.type == "embedded":
-        from data.corpus import default_corpus_path
+        from data.corpus import default_corpus_path, heldout_corpus_path
 
+        if src.part == "heldout" and src.holdout > 0:  # its held-out records only, cached (same lines)
+            return [str(heldout_corpus_path(src.holdout))]
         return [str(default_corpus_path())]
     if src.type in ("hub", "synthetic"):
         return []
