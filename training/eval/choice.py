@@ -11,8 +11,9 @@ are sharded over data-parallel ranks and the per-pair sums all-reduced, so the n
 `limit` keeps the first N items.
 
 `source: embedded` is the shipped task, built deterministically from the held-out share of the embedded corpus
-(data/holdout.py, never trained on): a snippet of a standard-library module, and which of 4 lines really comes
-next (the 3 others are lines of other held-out modules). Chance is 0.25.
+(data/holdout.py, never trained on): a snippet of a standard-library module ending in the first word of a line
+(`context + " " + ending` is the module's text), and which of 4 rests of that line is the real one (the 3 others
+are rests of lines of other held-out modules). Chance is 0.25.
 """
 
 from __future__ import annotations
@@ -91,12 +92,18 @@ def embedded_items(n: int, share: float = 0.02, seed: int = 0) -> list[Item]:
     while (d := stream.next_doc()) is not None:
         docs.append(d)
     rng = random.Random(seed)
-    candidates = []  # (doc index, context, true next line)
+    candidates = []  # (doc index, context, true ending): the line is cut at its first space after the indent
     for k, text in enumerate(docs):
         lines = text.split("\n")
-        good = [i for i in range(8, len(lines)) if len(lines[i].strip()) >= 12]
-        for i in rng.sample(good, min(len(good), 4)):
-            candidates.append((k, "\n".join(lines[max(0, i - 24) : i]) + "\n", lines[i]))
+        good = []
+        for i in range(8, len(lines)):
+            line = lines[i]
+            cut = line.find(" ", len(line) - len(line.lstrip()))
+            if cut > 0 and len(line[cut + 1 :].strip()) >= 8:
+                good.append((i, cut))
+        for i, cut in rng.sample(good, min(len(good), 4)):
+            ctx = "\n".join(lines[max(0, i - 24) : i]) + "\n" + lines[i][:cut]
+            candidates.append((k, ctx, lines[i][cut + 1 :]))
     rng.shuffle(candidates)
     items = []
     for k, ctx, true in candidates[:n]:
