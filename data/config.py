@@ -150,8 +150,9 @@ def validate(cfg: DataConfig) -> None:
             f"data.sources[{i}].text_sample_by={s.text_sample_by!r} not in {TEXT_SAMPLE_BY}",
         )
         need(
-            s.type != "synthetic" or (s.format == "chat" and s.size >= 1),
-            f"data.sources[{i}] type synthetic is image-caption chat: set format: chat and size >= 1",
+            s.type != "synthetic" or (s.format == ("text" if s.path == "passkey" else "chat") and s.size >= 1),
+            f"data.sources[{i}] type synthetic is image-caption chat (path passkey: text): set that format and "
+            f"size >= 1",
         )
         need(
             0.0 <= s.holdout < 1.0 and s.part in HOLDOUT_PARTS,

@@ -127,6 +127,13 @@ class SourceStream:
 
     # -- reading ------------------------------------------------------------------------------------------------
     def _open(self):
+        if self.src.type == "synthetic" and self.src.path == "passkey":
+            from data.passkey import PasskeyDocs
+
+            try:
+                return PasskeyDocs(self.src.split, self.src.size)
+            except ValueError as e:
+                raise DataError(f"data.{self.name}: {e}") from None
         if self.src.type == "synthetic":
             from data.synthetic import SyntheticCaptions
 

@@ -1,16 +1,16 @@
 """Long context in the loop: a passkey hidden at depth d of an N-token haystack, `{type: passkey, name, lengths,
 depths, samples, digits, seed}`.
 
-A document is an instruction line, filler sentences (the classic "The grass is green. ..."), the needle "The pass
-key is 48213. Remember it." inserted after a share `d` of the filler, more filler, and the question "What is the
-pass key? The pass key is"; the answer is " 48213" (its tokens:
-`encode(doc + answer)[len(encode(doc)):]`, as a choice continuation). Each (length, depth, sample) is one row of
-`length` tokens (filler trimmed so the document fits), keys drawn from `seed`. Scores, no sampling: the summed
-log-probability of the key's tokens given the document (`logprob@<length>`, mean over depths and samples) and
-greedy accuracy (`acc@<length>`: every key token is the argmax given the document and the key's earlier tokens,
-i.e. greedy decoding writes the key), plus each cell `acc@<length>/d<depth %>`. Lengths past one rank's memory run
-split over `parallel.sp_size` ranks (training/eval/forward.py); a length must divide by it. Rank 0 writes the
-table (`passkey/<name>.md`) and a heat-map (`passkey/<name>.png`, depth x length, greedy accuracy) into the run dir.
+A document (data/passkey.py; also the training source of experiment=passkey_smoke) is an instruction line, filler
+sentences (the classic "The grass is green. ..."), the needle "The pass key is 48213. Remember it." after a share
+`d` of the filler, more filler, and the question "What is the pass key? The pass key is"; the answer is " 48213"
+(its tokens: `encode(doc + answer)[len(encode(doc)):]`, as a choice continuation). Each (length, depth, sample) is
+one row of `length` tokens (filler trimmed so the document fits), keys drawn from `seed`. Scores, no sampling: the
+summed log-probability of the key's tokens given the document (`logprob@<length>`, mean over depths and samples) and
+greedy accuracy (`acc@<length>`: every key token is the argmax given the document and the key's earlier tokens, i.e.
+greedy decoding writes the key), plus each cell `acc@<length>/d<depth %>`. Lengths past one rank's memory run split
+over `parallel.sp_size` ranks (training/eval/forward.py); a length must divide by it. Rank 0 writes the table
+(`passkey/<name>.md`) and a heat-map (`passkey/<name>.png`, depth x length, greedy accuracy) into the run dir.
 """
 
 from __future__ import annotations
@@ -21,20 +21,9 @@ from typing import Any
 
 import torch
 
+from data.passkey import document, random_key
 from training.eval.forward import EvalContext, pad_rows, reduce_sum, score_rows, shard_rows
 from training.eval.sets import EvalConfigError
-
-FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
-INTRO = "Find the pass key.\n"
-QUESTION = "\nWhat is the pass key? The pass key is"
-
-
-def document(key: str, n_filler: int, depth: float) -> str:
-    """The haystack text with `n_filler` filler sentences and the needle after round(depth * n_filler) of them."""
-    at = round(depth * n_filler)
-    fill = [FILLER[i % len(FILLER)] for i in range(n_filler)]
-    needle = f"The pass key is {key}. Remember it."
-    return INTRO + " ".join([*fill[:at], needle, *fill[at:]]) + QUESTION
 
 
 def fit(tokenizer: Any, key: str, length: int, depth: float) -> tuple[list[int], list[int]]:
@@ -68,7 +57,7 @@ class PasskeyTask:
             rows, labels, cells, alen = [], [], [], []
             for di, d in enumerate(self.depths):
                 for _ in range(samples):
-                    key = "".join(rng.choice("0123456789") for _ in range(digits))
+                    key = random_key(rng, digits)
                     ids, ans = fit(tokenizer, key, n, d)
                     row = torch.zeros(n, dtype=torch.int64)
                     row[: len(ids) + len(ans)] = torch.tensor(ids + ans)
