@@ -179,3 +179,29 @@ def test_bad_eval_config_is_one_line_before_any_process_group(overrides, message
     with pytest.raises(TrainConfigError, match=message) as e:
         validate(compose(overrides), 1)
     assert "\n" not in str(e.value)
+
+
+def test_passkey_scores_the_key_tokens_at_each_length_and_depth_and_writes_its_table_and_heatmap(model, tok, tmp_path):
+    from data.passkey import document
+    from training.eval.passkey import PasskeyTask
+
+    task = PasskeyTask("pk", {"lengths": [96, 128], "depths": [0.0, 1.0], "samples": 1, "digits": 4}, tok, 96)
+    ids_RT, labels_RT, _, alen, cells = task.groups[0]
+    assert ids_RT.shape == (2, 96) and cells == [0, 1]
+    key_ids = labels_RT[0][labels_RT[0] != -100].tolist()
+    text = tok.decode(ids_RT[0].tolist())
+    key = tok.decode(key_ids).strip()
+    assert len(key) == 4 and text.startswith(document(key, 0, 0.0)[:18]) and f"The pass key is {key}." in text
+    model.eval()
+    got = task.evaluate(EvalContext(model, torch.device("cpu"), batch_rows=1, out_dir=str(tmp_path)))
+    with torch.no_grad():  # reference: the key's log-probability from one forward per row
+        want = []
+        for r in range(2):
+            logp = model(ids_RT[r : r + 1]).logits[0].double().log_softmax(-1)
+            at = torch.nonzero(labels_RT[r] != -100).squeeze(-1)
+            want.append(float(logp[at - 1, ids_RT[r, at]].sum()))
+    model.train()
+    assert got["logprob@96"] == pytest.approx(sum(want) / 2, rel=1e-6)
+    assert set(got) >= {"acc@96", "acc@128", "logprob@128", "acc@96/d0", "acc@96/d100"}
+    assert (tmp_path / "passkey" / "pk.png").stat().st_size > 0
+    assert "| 128 |" in (tmp_path / "passkey" / "pk.md").read_text()
