@@ -57,7 +57,9 @@ class EvalSuite:
             for s in self.sets:
                 out.update({f"eval/{s.name}/{k}": v for k, v in evaluate_loss(ctx, s).items()})
             for task in self.tasks:
+                t1 = time.perf_counter()
                 out.update({f"eval/{task.name}/{k}": v for k, v in task.evaluate(ctx).items()})
+                out[f"eval/{task.name}/time_s"] = time.perf_counter() - t1
         finally:
             module.train(was_training)
             set_rng_state(rng)
