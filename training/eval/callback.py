@@ -32,7 +32,8 @@ class EvalCallback(Callback):
 
     def evaluate(self, trainer: Any) -> dict[str, float]:
         assert self.suite is not None
-        metrics = self.suite.run(self._ctx(trainer))
+        final = trainer.step == int(self.cfg.train.steps)
+        metrics = self.suite.run(self._ctx(trainer), trainer.step, final)
         goals = {k: g for k in metrics if (g := goal(k)) is not None}
         for k, g in goals.items():
             v, b = metrics[k], self.best.get(k)

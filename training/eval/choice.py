@@ -11,9 +11,9 @@ are sharded over data-parallel ranks and the per-pair sums all-reduced, so the n
 `limit` keeps the first N items.
 
 `source: embedded` is the shipped task, built deterministically from the held-out share of the embedded corpus
-(data/holdout.py, never trained on): a snippet of a standard-library module ending in the first word of a line
-(`context + " " + ending` is the module's text), and which of 4 rests of that line is the real one (the 3 others
-are rests of lines of other held-out modules). Chance is 0.25.
+(data/holdout.py, never trained on): a snippet of a standard-library module ending in the first word of a line,
+and which of 4 continuations (the rest of that line and the next 3 lines) is the real one; the 3 others are the
+same lines in another order. Chance is 0.25.
 """
 
 from __future__ import annotations
@@ -83,7 +83,10 @@ def read_jsonl(path: str) -> list[Item]:
 
 
 def embedded_items(n: int, share: float = 0.02, seed: int = 0) -> list[Item]:
-    """`n` next-line questions from the held-out share of the embedded corpus (deterministic in n, share, seed)."""
+    """`n` line-order questions from the held-out share of the embedded corpus (deterministic in n, share, seed):
+    the context is up to 24 lines of a module and the first word of the next line; the endings are the rest of
+    that line and the 3 lines after it, in their real order or in 3 other orders (the same text reordered, so only
+    reading the code in order tells them apart)."""
     from data import SourceConfig
     from data.sources import SourceStream
 
@@ -92,26 +95,29 @@ def embedded_items(n: int, share: float = 0.02, seed: int = 0) -> list[Item]:
     while (d := stream.next_doc()) is not None:
         docs.append(d)
     rng = random.Random(seed)
-    candidates = []  # (doc index, context, true ending): the line is cut at its first space after the indent
-    for k, text in enumerate(docs):
-        lines = text.split("\n")
-        good = []
-        for i in range(8, len(lines)):
-            line = lines[i]
-            cut = line.find(" ", len(line) - len(line.lstrip()))
-            if cut > 0 and len(line[cut + 1 :].strip()) >= 8:
-                good.append((i, cut))
-        for i, cut in rng.sample(good, min(len(good), 4)):
-            ctx = "\n".join(lines[max(0, i - 24) : i]) + "\n" + lines[i][:cut]
-            candidates.append((k, ctx, lines[i][cut + 1 :]))
-    rng.shuffle(candidates)
     items = []
-    for k, ctx, true in candidates[:n]:
-        others = [c[2] for c in candidates if c[0] != k and c[2].strip() != true.strip()]
-        endings = [true, *rng.sample(others, 3)]
-        rng.shuffle(endings)
-        items.append(Item(ctx, endings, endings.index(true)))
-    return items
+    for text in docs:
+        lines = text.split("\n")
+        good = [
+            i
+            for i in range(8, len(lines) - 4)
+            if all(len(x.strip()) >= 4 for x in lines[i : i + 4]) and len(set(lines[i : i + 4])) == 4
+        ]
+        for i in rng.sample(good, min(len(good), 4)):
+            first, rest = lines[i], lines[i + 1 : i + 4]
+            cut = first.find(" ", len(first) - len(first.lstrip()))
+            if cut <= 0:
+                continue
+            orders = {tuple(rest)}
+            while len(orders) < 4:
+                orders.add(tuple(rng.sample(rest, len(rest))))
+            endings = ["\n".join([first[cut + 1 :], *o]) for o in orders]
+            rng.shuffle(endings)
+            true = "\n".join([first[cut + 1 :], *rest])
+            ctx = "\n".join(lines[max(0, i - 24) : i]) + "\n" + first[:cut]
+            items.append(Item(ctx, endings, endings.index(true)))
+    rng.shuffle(items)
+    return items[:n]
 
 
 class ChoiceTask:

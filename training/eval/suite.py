@@ -43,11 +43,16 @@ class EvalSuite:
             build_loss_set(dict(spec), data, tokenizer, seq_len, loss_on) for spec in eval_cfg.sets
         ]
         self.tasks: list[Task] = [build_task(dict(spec), tokenizer, seq_len) for spec in eval_cfg.tasks]
+        for task, spec in zip(self.tasks, eval_cfg.tasks):
+            task.every = int(spec.get("every") or 0)  # type: ignore[attr-defined]  # 0: at every evaluation
+        self._ran: set[str] = set()
 
     def __len__(self) -> int:
         return len(self.sets) + len(self.tasks)
 
-    def run(self, ctx: EvalContext) -> dict[str, float]:
+    def run(self, ctx: EvalContext, step: int | None = None, final: bool = True) -> dict[str, float]:
+        """Every set, and the tasks due at `step` (a task's own `every` steps, its first call and the `final`
+        one; all of them when step is None: a checkpoint's evaluation)."""
         module = ctx.module
         was_training, rng = module.training, rng_state()
         module.eval()
@@ -57,6 +62,10 @@ class EvalSuite:
             for s in self.sets:
                 out.update({f"eval/{s.name}/{k}": v for k, v in evaluate_loss(ctx, s).items()})
             for task in self.tasks:
+                every = int(getattr(task, "every", 0) or 0)
+                if step is not None and every and step % every and not final and task.name in self._ran:
+                    continue
+                self._ran.add(task.name)
                 t1 = time.perf_counter()
                 out.update({f"eval/{task.name}/{k}": v for k, v in task.evaluate(ctx).items()})
                 out[f"eval/{task.name}/time_s"] = time.perf_counter() - t1

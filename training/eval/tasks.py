@@ -3,7 +3,8 @@
 A task is built once from its spec, the tokenizer and the context length, and `evaluate(ctx)` returns its metrics
 (`eval/<name>/<metric>`), the same numbers at any parallel layout (training/eval/forward.py). Types: `choice`
 (multiple choice by log-likelihood, training/eval/choice.py) and `passkey` (long-context retrieval,
-training/eval/passkey.py).
+training/eval/passkey.py). Every task also takes `every: N`: in the loop it runs at its first evaluation, every N
+steps and at the last step (0, the default: at every evaluation); a checkpoint's evaluation runs it always.
 """
 
 from __future__ import annotations
