@@ -19,8 +19,8 @@ from typing import Any
 
 from data.files import atomic_write
 from training.callbacks.base import Callback
+from training.checkpoint.store import BEST, tag_for
 
-BEST = "best"
 BEST_INFO = "best.json"
 
 
@@ -64,8 +64,6 @@ class KeepBest(Callback):
         last = self.evaluation.last
         if self.evaluation.last_step != step or self.metric not in last:
             return
-        from training.checkpoint.store import tag_for
-
         root, value = trainer.ckpt_root, float(last[self.metric])
         info = read_best(root)
         if info is None or info.get("metric") != self.metric or better(value, float(info["value"]), self.goal):

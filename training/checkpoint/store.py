@@ -39,6 +39,7 @@ from training.distributed import barrier
 TAG_RE = re.compile(r"^step_(\d{8})$")
 COMPLETE = "COMPLETE"
 LATEST = "latest"
+BEST = "best"  # checkpoint.keep_best's marker (training/checkpoint/best.py)
 TRAINER_STATE = "trainer_state.json"
 SAVE_PHASES = ("begin", "after_engine_save", "after_rank_file", "before_complete", "before_latest", "before_prune")
 # DeepSpeed-MoE writes one file per (layer, global expert id) under ZeRO 1/2 (engine._save_moe_checkpoint)
@@ -164,9 +165,12 @@ def _prune(root: str, keep_last: int, keep: str) -> None:
 
 
 def _best_tag(root: str) -> str | None:
-    from training.checkpoint.best import best_tag
-
-    return best_tag(root)
+    """The tag the `best` marker names (checkpoint.keep_best), or None."""
+    try:
+        with open(os.path.join(root, BEST), encoding="utf-8") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
 
 
 def has_expert_files(tag_dir: str) -> bool:

@@ -14,7 +14,8 @@ from typing import Any
 
 from training.callbacks.base import Callback
 from training.eval.forward import EvalContext
-from training.eval.suite import EvalSuite, goal
+from training.eval.goals import goal
+from training.eval.suite import EvalSuite
 
 
 class EvalCallback(Callback):

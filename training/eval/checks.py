@@ -58,7 +58,7 @@ def check_eval(cfg: DictConfig) -> None:
     _need(not dup, f"eval set/task names {dup} repeat: give each a distinct name (metrics are eval/<name>/...)")
     best = cfg.checkpoint.get("keep_best")
     if best:
-        from training.eval.suite import goal
+        from training.eval.goals import goal
 
         parts = str(best).split("/", 2)
         _need(

@@ -15,24 +15,10 @@ from typing import Any
 
 from training.checkpoint import rng_state, set_rng_state
 from training.eval.forward import EvalContext
+from training.eval.goals import goal  # noqa: F401  (re-exported: the callback reads it here)
 from training.eval.loss import evaluate_loss
 from training.eval.sets import LossSet, build_loss_set
 from training.eval.tasks import Task, build_task
-
-# metric name (last path part, or its prefix before "@" / "/") -> which way is better
-_LOWER = ("loss", "ppl", "bpb", "loss_pos", "logprob_nll")
-_HIGHER = ("acc", "acc_norm", "logprob")
-
-
-def goal(metric: str) -> str | None:
-    """ "min" | "max" for a metric key eval/<name>/<metric>, None when it has no better direction (time_s)."""
-    leaf = metric.split("/", 2)[-1]
-    head = leaf.split("/")[0].split("@")[0]
-    if head in _LOWER:
-        return "min"
-    if head in _HIGHER:
-        return "max"
-    return None
 
 
 class EvalSuite:
