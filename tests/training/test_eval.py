@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 
 import numpy as np
@@ -205,3 +206,25 @@ def test_passkey_scores_the_key_tokens_at_each_length_and_depth_and_writes_its_t
     assert set(got) >= {"acc@96", "acc@128", "logprob@128", "acc@96/d0", "acc@96/d100"}
     assert (tmp_path / "passkey" / "pk.png").stat().st_size > 0
     assert "| 128 |" in (tmp_path / "passkey" / "pk.md").read_text()
+
+
+def test_the_embedded_choice_task_is_the_same_in_every_process():
+    import subprocess
+    import sys
+
+    code = (
+        "import hashlib, json; from training.eval.choice import embedded_items; "
+        "print(hashlib.sha256(json.dumps([(i.context, i.endings, i.label) for i in embedded_items(16)]).encode())"
+        ".hexdigest())"
+    )
+    digests = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": h},
+        ).stdout.strip()
+        for h in ("1", "2")  # str hashing (set order) differs between these processes
+    }
+    assert len(digests) == 1

@@ -108,9 +108,10 @@ def embedded_items(n: int, share: float = 0.02, seed: int = 0) -> list[Item]:
             cut = first.find(" ", len(first) - len(first.lstrip()))
             if cut <= 0:
                 continue
-            orders = {tuple(rest)}
+            orders = [tuple(rest)]  # a list, not a set: str hashing differs per process, the order must not
             while len(orders) < 4:
-                orders.add(tuple(rng.sample(rest, len(rest))))
+                o = tuple(rng.sample(rest, len(rest)))
+                orders += [o] if o not in orders else []
             endings = ["\n".join([first[cut + 1 :], *o]) for o in orders]
             rng.shuffle(endings)
             true = "\n".join([first[cut + 1 :], *rest])
