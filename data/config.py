@@ -25,6 +25,7 @@ LOSS_ON = ("assistant", "all")
 EXHAUSTION_POLICIES = ("loop", "stop")
 PACKING_MODES = ("concat", "pad")
 TEXT_SAMPLE_BY = ("line", "paragraph", "document")
+HOLDOUT_PARTS = ("train", "heldout")
 
 
 class DataError(ValueError):
@@ -46,6 +47,8 @@ class SourceConfig:
     hub_config: Optional[str] = None  # hub: dataset config name
     split: str = "train"  # hub: split name; synthetic: train | eval (held-out records)
     size: int = 4096  # synthetic: records per epoch (data/synthetic.py draws each one from (split, index))
+    holdout: float = 0.0  # share of the records held out of training by a hash of each record (data/holdout.py)
+    part: str = "train"  # with holdout > 0: train (the records outside the held-out share) | heldout (only those)
 
 
 @dataclass
@@ -97,7 +100,7 @@ _NON_STREAM_TOKENIZER_FIELDS = ("num_threads", "model_path", "type")  # the toke
 _NON_STREAM_SOURCE_FIELDS = ("name",)
 # Fields added after v1 are left out of the fingerprint at their default, so older loader states still resume.
 _DEFAULT_ONLY = {"long_conversations": "truncate"}
-_SOURCE_DEFAULT_ONLY = {"format": "text", "messages_field": "messages", "size": 4096}
+_SOURCE_DEFAULT_ONLY = {"format": "text", "messages_field": "messages", "size": 4096, "holdout": 0.0, "part": "train"}
 
 
 def coerce_config(cfg: Any) -> DataConfig:
@@ -147,8 +150,13 @@ def validate(cfg: DataConfig) -> None:
             f"data.sources[{i}].text_sample_by={s.text_sample_by!r} not in {TEXT_SAMPLE_BY}",
         )
         need(
-            s.type != "synthetic" or (s.format == "chat" and s.size >= 1),
-            f"data.sources[{i}] type synthetic is image-caption chat: set format: chat and size >= 1",
+            s.type != "synthetic" or (s.format == ("text" if s.path == "passkey" else "chat") and s.size >= 1),
+            f"data.sources[{i}] type synthetic is image-caption chat (path passkey: text): set that format and "
+            f"size >= 1",
+        )
+        need(
+            0.0 <= s.holdout < 1.0 and s.part in HOLDOUT_PARTS,
+            f"data.sources[{i}].holdout={s.holdout} must be in [0, 1) and part={s.part!r} one of {HOLDOUT_PARTS}",
         )
         need(s.format in SOURCE_FORMATS, f"data.sources[{i}].format={s.format!r} is not one of {SOURCE_FORMATS}")
         need(

@@ -90,3 +90,20 @@ def default_corpus_path(cache: Optional[Path] = None) -> Path:
                 path = rel if i == 0 else f"{rel}#{i}"
                 f.write(json.dumps({"text": piece, "path": path}, ensure_ascii=False) + "\n")
     return out
+
+
+def heldout_corpus_path(share: float, cache: Optional[Path] = None) -> Path:
+    """The records of the stdlib corpus in its held-out share `share` (data/holdout.py), cached beside it: an
+    evaluation set reads these few lines instead of scanning the whole corpus (the same records, same order)."""
+    from data.holdout import is_heldout
+
+    full = default_corpus_path(cache)
+    out = full.with_name(f"{full.stem}-heldout-{share:g}.jsonl")
+    if out.is_file():
+        return out
+    with open(full, "rb") as src, atomic_open(out, "w") as f:
+        for raw in src:
+            line = raw.rstrip(b"\n")
+            if line and is_heldout(line, share):
+                f.write(line.decode("utf-8") + "\n")
+    return out

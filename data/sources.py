@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 from data.chat import CHAT_SKIP_REASONS, ChatDoc, ChatRowError, conversation_images, normalize_messages
 from data.config import DataError, SourceConfig, file_digest
+from data.holdout import keeps
 
 TEXT_SKIP_REASONS = ("invalid_utf8", "malformed_json", "missing_field", "not_text", "empty")
 SKIP_REASONS = TEXT_SKIP_REASONS + CHAT_SKIP_REASONS
@@ -40,8 +41,10 @@ _MIN_RECORDS_FOR_BAD_CHECK = 100
 def resolve_files(src: SourceConfig, index: int) -> list[str]:
     """Local files of a source, sorted: a file, a directory (recursive, by extension) or a glob."""
     if src.type == "embedded":
-        from data.corpus import default_corpus_path
+        from data.corpus import default_corpus_path, heldout_corpus_path
 
+        if src.part == "heldout" and src.holdout > 0:  # its held-out records only, cached (same lines)
+            return [str(heldout_corpus_path(src.holdout))]
         return [str(default_corpus_path())]
     if src.type in ("hub", "synthetic"):
         return []
@@ -124,6 +127,13 @@ class SourceStream:
 
     # -- reading ------------------------------------------------------------------------------------------------
     def _open(self):
+        if self.src.type == "synthetic" and self.src.path == "passkey":
+            from data.passkey import PasskeyDocs
+
+            try:
+                return PasskeyDocs(self.src.split, self.src.size)
+            except ValueError as e:
+                raise DataError(f"data.{self.name}: {e}") from None
         if self.src.type == "synthetic":
             from data.synthetic import SyntheticCaptions
 
@@ -196,6 +206,8 @@ class SourceStream:
         if self._it is None:
             self._start()
         for record in self._it:
+            if not keeps(self.src, record):  # the other side of a held-out split (data/holdout.py)
+                continue
             self.read += 1
             self.total_read += 1
             doc, reason = self._parse(record)

@@ -19,6 +19,7 @@ import sentencepiece as spm
 
 from data.config import DataConfig, DataError, cache_dir, coerce_config, digest, source_names
 from data.files import atomic_write
+from data.holdout import whole_source
 from data.tokenizer_base import KINDS, AllowedSpecial, Tokenizer
 
 _MAX_LINE_CHARS = 4096  # sentencepiece drops longer training sentences; longer lines are cut into pieces
@@ -97,7 +98,8 @@ def training_texts(cfg: DataConfig, max_items: int) -> Iterator[str]:
     """Documents of one epoch of every source, source i contributing at most its weight share of `max_items`.
 
     A conversation (chat source) is its K3 rendering with the markers removed, so the format's own words
-    (`message`, ` role`, `response`) get merges too. Raises the source's own DataError (bad data) as is."""
+    (`message`, ` role`, `response`) get merges too. Raises the source's own DataError (bad data) as is. A
+    source's held-out share (`holdout`, data/holdout.py) is read too: one tokenizer for both sides."""
     from data.chat import K3Renderer
     from data.sources import SourceStream
 
@@ -107,7 +109,7 @@ def training_texts(cfg: DataConfig, max_items: int) -> Iterator[str]:
     names = source_names(cfg)
     for i, src in enumerate(cfg.sources):
         budget = int(max_items * src.weight / total_w)
-        stream = SourceStream(src, i, cfg.max_bad_fraction, label=names[i])
+        stream = SourceStream(whole_source(src), i, cfg.max_bad_fraction, label=names[i])
         while budget > 0:
             doc = stream.next_doc()
             if doc is None:
@@ -212,6 +214,8 @@ def tokenizer_cache_key(cfg: DataConfig) -> str:
 
     ids = [source_identity(s, resolve_files(s, i)) for i, s in enumerate(cfg.sources)]
     d = stream_dict(cfg)
+    for s in d["sources"]:  # the tokenizer reads the whole source, whatever its held-out share
+        s.pop("holdout", None), s.pop("part", None)
     return digest(
         {
             "tokenizer": d["tokenizer"],

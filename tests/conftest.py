@@ -61,7 +61,7 @@ def ep2_ref():
 # or one of these sets of files (a session fixture they share runs once). Every launch picks a free master port
 # (training/launch.py), so no two units need to wait for each other.
 SHARED = {
-    "ep2_ref": ("distributed/test_expert_parallel_train.py", "fault/test_kill.py"),
+    "ep2_ref": ("distributed/test_expert_parallel_train.py", "fault/test_kill.py", "distributed/test_eval_loop.py"),
     "ref_run": ("distributed/test_zero.py", "distributed/test_resume.py", "distributed/test_layouts.py"),
     "base_run": ("fault/test_run_identity.py", "fault/test_untrusted.py", "fault/test_data_faults.py"),
     "real_run": ("training/test_report.py", "training/test_generate_cli.py", "training/test_compare.py"),

@@ -52,12 +52,17 @@ EXEMPT = {
     "python -m bench.memory_dist": "2-rank ZeRO-3 jobs on tiny and small (minutes); bench/results/memory_dist.json",
     "python -m bench.memory --sp tiny:4096": "1- and 2-rank launcher jobs (~2.5 min even at tiny:64); "
     "tests/distributed/test_sequence_parallel.py runs the same SP build, engine and step; bench/results/memory_sp.json",
+    "deepspeed --num_gpus 2 training/evaluate.py checkpoint=runs/eval_demo parallel=ep2 deepspeed=zero3": "a 2-rank "
+    "launch; tests/distributed/test_eval_loop.py runs this evaluation at EP=2 ZeRO-3 and SP=2 against 1 rank",
+    "python -m training.launch experiment=passkey_smoke": "a bench-sized 2-rank job (minutes); "
+    "tests/training/test_eval.py runs its passkey task on a tiny model",
     "OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu .venv/bin/python -m bench.kda --threads 1 --fla-path /tmp/fla/pkg": (
         "needs fla-core's wheel unpacked at /tmp/fla/pkg (no network in CI); bench.kda itself runs above"
     ),
 }
 
 TRAIN = " train.steps=2 checkpoint.every=0 logging.mode=disabled"
+NO_EVAL = " eval.every=0 eval.on_start=false"  # commands that do not ask for evaluation skip the smoke job's
 BENCH_TINY = {
     "bench.kda": " --T 256 --chunk-sizes 64 --reps 1 --loop-reps 1",  # (--quick would force T 2048 and 3 reps)
     "bench.moe": " --quick --reps 1 --tokens 128 --experts 8",
@@ -106,15 +111,16 @@ def tiny(cmd: str, tmp: Path) -> str:
     """The command with tiny overrides, every output path moved under `tmp` (the checkout is never written)."""
     cmd = re.sub(r"(?<![\w/.])runs/", f"{tmp}/runs/", cmd)
     cmd = cmd.replace("out=/tmp/", f"out={tmp}/").replace("plan.out=", f"plan.out={tmp}/")
+    train = TRAIN + ("" if "eval" in cmd else NO_EVAL)
     if "launch/sweep.sh" in cmd:  # a multirun: every job into its own directory under run_dir
-        return cmd + f" run_dir={tmp}/runs/sweep" + TRAIN
+        return cmd + f" run_dir={tmp}/runs/sweep" + train
     if re.search(r"training\.train\b|training\.launch\b|training/train\.py|launch/smoke\.sh|k3-train", cmd):
         if "run_dir=" not in cmd:  # where the job writes as documented: runs/<experiment name> (smoke.sh: smoke)
             m = re.search(r"experiment=(\w+)", cmd)
             cmd += f" run_dir={tmp}/runs/{m.group(1) if m else 'smoke' if 'smoke.sh' in cmd else 'default'}"
-        return cmd + TRAIN
+        return cmd + train
     if cmd == "make smoke":
-        return f'make smoke ARGS="{TRAIN.strip()} run_dir={tmp}/runs/smoke"'
+        return f'make smoke ARGS="{train.strip()} run_dir={tmp}/runs/smoke"'
     if cmd == "make venv":
         return cmd
     m = re.search(r"-m (bench\.\w+)", cmd)

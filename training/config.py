@@ -23,7 +23,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
-from data import DataConfig
+from data import DataConfig, SourceConfig
 from model.config import ConfigError, K3Config, preset_names
 from model.presets import preset_vision
 from training.checks import (
@@ -35,6 +35,7 @@ from training.checks import (
     check_sequence_parallel,
     check_tokenizer,
 )
+from training.eval.checks import check_eval
 
 
 class Choice(str, Enum):
@@ -250,6 +251,28 @@ class CheckpointSection:
     fallback: bool = False  # resume: a corrupted newest checkpoint falls back to the previous complete one
     allow_changes: List[str] = field(default_factory=list)  # resume despite these changes: train.steps|data|optim.lr
     start_over: bool = False  # archive the run dir's previous run (archive/<UTC time>/) and start fresh
+    keep_best: Optional[str] = None  # eval/<set or task>/<metric>: keep + mark the best checkpoint (checkpoint/best.py)
+
+
+@dataclass
+class EvalSetSection:
+    """One loss set (training/eval/sets.py): its own `sources` (like data.sources) or `heldout: true`."""
+
+    name: str = "heldout"
+    heldout: bool = False  # the held-out share of data.sources (data.sources[i].holdout, data/holdout.py)
+    sources: List[SourceConfig] = field(default_factory=list)
+    rows: int = 32  # fixed rows of train.seq_len tokens scored at every evaluation; 0 = the whole set
+
+
+@dataclass
+class EvalSection:
+    """`eval=<none|heldout|...>` (conf/eval/): held-out loss and tasks in the loop (training/eval/)."""
+
+    every: int = 0  # evaluate every this many steps and at the last step; 0 = off
+    on_start: bool = False  # also before the first step of a session
+    sets: List[EvalSetSection] = field(default_factory=list)
+    tasks: List[Dict[str, Any]] = field(default_factory=list)  # each {type: choice|passkey, name, ...}
+    batch_rows: int = 0  # rows per rank per evaluation forward; 0 = train.micro_batch_size
 
 
 @dataclass
@@ -277,6 +300,7 @@ class TrainConfig:
     finetune: Finetune = Finetune.none
     lora: LoRASection = field(default_factory=LoRASection)
     callbacks: List[str] = field(default_factory=list)  # extra training.callbacks.Callback classes, by import path
+    eval: EvalSection = field(default_factory=EvalSection)
 
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -439,4 +463,5 @@ def validate(cfg: DictConfig, world_size: int) -> K3Config:
     check_data_config(cfg.data)
     check_tokenizer(cfg, mcfg)
     check_lora(cfg)
+    check_eval(cfg)
     return mcfg

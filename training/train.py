@@ -124,6 +124,9 @@ def hydra_main(cfg: DictConfig) -> None:
     except (CheckpointError, TooManyBadSteps) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(3)
+    except TrainConfigError as e:  # found while building (an eval set without rows, a tokenizer mismatch)
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
     except Exception as e:
         if not peer_lost(e):
             raise

@@ -36,6 +36,7 @@ from training.config import (
 )
 from training.distributed import all_reduce_sum, barrier, init_distributed
 from training.engine import base_param_groups, build_ds_config, initialize
+from training.eval.callback import eval_callbacks
 from training.freeze import freeze
 from training.guard import StepGuard, TooManyBadSteps
 from training.guard import install as install_guard
@@ -105,7 +106,9 @@ class Trainer:
         self.ga, self.world = int(t.grad_accum), self.info.world_size
         self.dp = data_parallel_size(cfg, self.world)  # ranks with different rows (sequence parallelism shares)
         self.global_rows = global_batch_rows(cfg, self.world)
-        self.callbacks = CallbackList([*default_callbacks(), *(load_callback(p) for p in cfg.callbacks)])
+        self.callbacks = CallbackList(
+            [*default_callbacks(), *eval_callbacks(cfg), *(load_callback(p) for p in cfg.callbacks)]
+        )
         seed_everything(int(t.seed))
         self.ds_config = build_ds_config(cfg, self.world)
         self.tokenizer = self._prepare_tokenizer()

@@ -29,7 +29,7 @@ from training.checkpoint.identity import (
     run_identity,
 )
 from training.checkpoint.safe_load import CheckpointError, verify_checkpoint
-from training.checkpoint.store import LATEST, TRAINER_STATE, complete_tags, is_complete, write_latest
+from training.checkpoint.store import BEST, LATEST, TRAINER_STATE, complete_tags, is_complete, write_latest
 
 _verified: set[str] = set()  # tag dirs this process already verified (pre-flight, then the trainer: read once)
 
@@ -63,8 +63,11 @@ def orphans(root: str) -> list[str]:
 
 
 def resolve_checkpoint(path: str) -> str:
-    """Accept a tag dir, a checkpoints/ dir or a run dir; return a COMPLETE tag dir or raise one line."""
+    """Accept a tag dir, a checkpoints/ dir, a run dir or a `latest` / `best` marker file (checkpoint.keep_best);
+    return a COMPLETE tag dir or raise one line."""
     path = os.path.abspath(path)
+    if os.path.basename(path) in (LATEST, BEST) and os.path.isfile(path):  # a marker: the tag it names
+        path = os.path.join(os.path.dirname(path), open(path, encoding="utf-8").read().strip())
     if is_complete(path):
         return path
     for root in (path, os.path.join(path, "checkpoints")):

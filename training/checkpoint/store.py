@@ -7,6 +7,7 @@ Layout of `<run_dir>/checkpoints/`:
         config.json           the model config (so export needs nothing else); tokenizer files
         COMPLETE              written by rank 0 after a barrier: every rank finished writing
     latest                    the newest COMPLETE tag, replaced atomically (tmp file + os.replace)
+    best, best.json           checkpoint.keep_best: the best-scoring tag, never pruned (training/checkpoint/best.py)
 
 A crash mid-write leaves a tag dir without COMPLETE; `latest` still names the previous good one, and
 `training.checkpoint.resume.find_latest` only returns the COMPLETE tag `latest` names, so the last good checkpoint is
@@ -38,6 +39,7 @@ from training.distributed import barrier
 TAG_RE = re.compile(r"^step_(\d{8})$")
 COMPLETE = "COMPLETE"
 LATEST = "latest"
+BEST = "best"  # checkpoint.keep_best's marker (training/checkpoint/best.py)
 TRAINER_STATE = "trainer_state.json"
 SAVE_PHASES = ("begin", "after_engine_save", "after_rank_file", "before_complete", "before_latest", "before_prune")
 # DeepSpeed-MoE writes one file per (layer, global expert id) under ZeRO 1/2 (engine._save_moe_checkpoint)
@@ -153,12 +155,22 @@ def _prune(root: str, keep_last: int, keep: str) -> None:
     trajectory) are left alone: a later save of that step replaces them. Corrupt ones were moved aside at resume
     (`step_X.corrupt`), so they never count as kept."""
     tags = [t for t in complete_tags(root) if t <= keep]
+    best = _best_tag(root)  # checkpoint.keep_best: never pruned (training/checkpoint/best.py)
     for old in tags[:-keep_last]:
-        if old != keep:
+        if old not in (keep, best):
             shutil.rmtree(os.path.join(root, old), ignore_errors=True)
     for d in os.listdir(root):
         if TAG_RE.match(d) and d < keep and not is_complete(os.path.join(root, d)):
             shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+
+
+def _best_tag(root: str) -> str | None:
+    """The tag the `best` marker names (checkpoint.keep_best), or None."""
+    try:
+        with open(os.path.join(root, BEST), encoding="utf-8") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
 
 
 def has_expert_files(tag_dir: str) -> bool:

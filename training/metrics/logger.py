@@ -50,6 +50,7 @@ class RunLogger:
         self._metrics: JsonlSink | None = None
         self._loads: JsonlSink | None = None
         self._progress: Progress | None = None
+        self._defined: set[str] = set()  # W&B metrics given a best-value summary (log_eval)
         if not is_main:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -87,6 +88,21 @@ class RunLogger:
                 loss if isinstance(loss, (int, float)) else None,
                 tps if isinstance(tps, (int, float)) else None,
             )
+
+    def log_eval(self, step: int, metrics: Mapping[str, Any], best: Mapping[str, str] | None = None) -> None:
+        """One evaluation record {step, time, **metrics} (metrics.jsonl, W&B on the step axis), no progress bar.
+        `best`: metric -> "min" | "max", the W&B summary keeps that metric's best value (defined once per key)."""
+        if not self.is_main:
+            return
+        record = {"step": int(step), "time": time.time(), **to_jsonable(dict(metrics))}
+        assert self._metrics is not None
+        self._metrics.write(record)
+        if self._wandb is not None:
+            for key, goal in (best or {}).items():
+                if key not in self._defined:
+                    self._wandb.run.define_metric(key, step_metric="step", summary=goal)
+                    self._defined.add(key)
+            self._wandb.log(step, {k: v for k, v in record.items() if k not in ("step", "time")})
 
     def heatmap_due(self, step: int) -> bool:
         """True on the first call and then every >= heatmap_every steps (heatmap_every <= 0 disables)."""

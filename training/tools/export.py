@@ -178,11 +178,14 @@ def export_checkpoint(
     overwrite: bool = False,
     procs: int = 1,
     max_shard_bytes: int | None = None,
+    launched: bool = False,
 ) -> str:
     """Write config.json + safetensors (+ tokenizer) for the checkpoint at `path` in layout `fmt` ("hf" |
     "release"), streamed and atomically; returns out_dir. LoRA checkpoints: `adapters` writes PEFT's adapter files
     instead; `merge` (or neither) the merged full model. `procs` > 1 writes disjoint shards from that many
-    processes."""
+    processes. `launched`: this process is one of a launcher's ranks and every rank calls this (the CLI under
+    torchrun/deepspeed/srun); a library caller that is itself a rank of some job (training.evaluate's rank 0)
+    keeps the default and exports alone."""
     if adapters and merge:
         raise ToolError("--adapters and --merge exclude each other; pick one")
     if fmt not in FORMATS:
@@ -207,7 +210,7 @@ def export_checkpoint(
             _save_config(staging, config, fmt)
             _copy_tokenizer(tag_dir, staging)
         return out_dir
-    if launched_world() > 1:  # started by a launcher: every rank writes its share of the shards
+    if launched:  # started by a launcher: every rank writes its share of the shards
 
         def finish(staging: str, config: K3Config) -> None:
             _save_config(staging, config, fmt)
@@ -282,6 +285,7 @@ def _main(argv: list[str]) -> int:
         overwrite="--overwrite" in flags,
         procs=int(procs),
         max_shard_bytes=int(shard_bytes) or None,
+        launched=launched_world() > 1,
     )
     print(f"exported {a['checkpoint']} -> {out}")
     return 0

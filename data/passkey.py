@@ -1,0 +1,61 @@
+"""Passkey documents: a key hidden in filler text, asked for at the end (the long-context retrieval probe).
+
+One home for the text format, shared by the evaluation task (training/eval/passkey.py, which fills a document to an
+exact token length) and the synthetic training source `{type: synthetic, path: passkey, format: text}` of
+`experiment=passkey_smoke` (record i of a split is a function of (split, i): resume is exact):
+
+    Find the pass key.
+    The grass is green. The sky is blue. ... The pass key is 48213. Remember it. ... There and back again.
+    What is the pass key? The pass key is 48213
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Iterator
+
+FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
+INTRO = "Find the pass key.\n"
+QUESTION = "\nWhat is the pass key? The pass key is"
+_SPLIT_SALT = {"train": 0x706B74, "eval": 0x706B65}
+
+
+def document(key: str, n_filler: int, depth: float) -> str:
+    """The haystack with `n_filler` filler sentences and the needle after round(depth * n_filler) of them, ending in
+    the question (the answer, " " + key, is not part of it)."""
+    at = round(depth * n_filler)
+    fill = [FILLER[i % len(FILLER)] for i in range(n_filler)]
+    needle = f"The pass key is {key}. Remember it."
+    return INTRO + " ".join([*fill[:at], needle, *fill[at:]]) + QUESTION
+
+
+def random_key(rng: random.Random, digits: int = 5) -> str:
+    return "".join(rng.choice("0123456789") for _ in range(digits))
+
+
+def record(index: int, split: str = "train", max_filler: int = 12) -> dict:
+    """Training record `index`: a random key, depth and filler count (0..max_filler), answer included."""
+    rng = random.Random(_SPLIT_SALT[split] * 1_000_003 + index)
+    key = random_key(rng)
+    return {"text": document(key, rng.randint(0, max_filler), rng.random()) + " " + key}
+
+
+class PasskeyDocs:
+    """One epoch of `size` records with the IterableDataset position API SourceStream uses."""
+
+    def __init__(self, split: str, size: int) -> None:
+        if split not in _SPLIT_SALT:
+            raise ValueError(f"synthetic passkey split {split!r} is not one of {sorted(_SPLIT_SALT)}")
+        self.split, self.size, self.pos = split, int(size), 0
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, st: dict) -> None:
+        self.pos = int(copy.deepcopy(st)["pos"])
+
+    def __iter__(self) -> Iterator[dict]:
+        while self.pos < self.size:
+            self.pos += 1
+            yield record(self.pos - 1, self.split)
