@@ -7,6 +7,12 @@ exact token length) and the synthetic training source `{type: synthetic, path: p
     Find the pass key.
     The grass is green. The sky is blue. ... The pass key is 48213. Remember it. ... There and back again.
     What is the pass key? The pass key is 48213
+
+A training record asks the question `repeats` times (each answered): the later answers can be copied from the
+earlier ones a few tokens back, a short-range copy that a tiny model learns within a few hundred steps and that is
+the same look-back-and-copy the first answer needs over the haystack (bench/passkey_probe.py: with one question,
+2-digit keys stay at chance for 400 steps; with three they are retrieved by step ~250). The evaluation's documents
+ask once: the key appears once before the question, drawn at random per row.
 """
 
 from __future__ import annotations
@@ -34,11 +40,13 @@ def random_key(rng: random.Random, digits: int = 5) -> str:
     return "".join(rng.choice("0123456789") for _ in range(digits))
 
 
-def record(index: int, split: str = "train", max_filler: int = 12) -> dict:
-    """Training record `index`: a random key, depth and filler count (0..max_filler), answer included."""
+def record(index: int, split: str = "train", max_filler: int = 3, digits: int = 2, repeats: int = 3) -> dict:
+    """Training record `index`: a random key of `digits` digits, depth and filler count (0..max_filler), the
+    question asked and answered `repeats` times."""
     rng = random.Random(_SPLIT_SALT[split] * 1_000_003 + index)
-    key = random_key(rng)
-    return {"text": document(key, rng.randint(0, max_filler), rng.random()) + " " + key}
+    key = random_key(rng, digits)
+    doc = document(key, rng.randint(0, max_filler), rng.random())
+    return {"text": doc + (" " + key + QUESTION) * (repeats - 1) + " " + key}
 
 
 class PasskeyDocs:
