@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Callable
+from typing import Any, Callable, cast
 
 import torch
 
@@ -113,5 +113,5 @@ def flex_document_attention(
     T = q_BHTE.shape[2]
     mask = document_block_mask(cu_seqlens.to(q_BHTE.device), T)
     use_compiled = q_BHTE.device.type == "cuda" if compiled is None else compiled
-    fn = _compiled_flex() if use_compiled else flex_attention
+    fn = _compiled_flex() if use_compiled else cast(Callable[..., Any], flex_attention)
     return fn(q_BHTE, k_BHTE, v_BHTV, block_mask=mask, scale=scale)

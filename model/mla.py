@@ -340,12 +340,14 @@ class GatedMLA(nn.Module):
         attend = absorbed_mla_attention if use_absorbed else naive_mla_attention
         args = (w_kvb, heads, self.nope_dim, self.v_dim)
         if backend == "flex":
+            assert cu_seqlens is not None  # the backend is chosen for packed rows only
             o_BTHV = flex_mla_attention(q_BTHE, c_kv_BSR, k_r_BSD, *args, cu_seqlens, self.scale)
         elif backend == "per_document":
             # packed documents: one causal call per document selects a fused kernel (CPU flash; CUDA flash or
             # memory-efficient) with no T x T mask, scores or probabilities and the causal work skipped, where a
             # block-diagonal mask forces the math path (and a [T, T] mask at 1M tokens would be 1 TB)
             cu = cu_seqlens_host
+            assert cu is not None  # read above whenever the per-document path is taken
             o_BTHV = torch.cat(
                 [
                     attend(q_BTHE[:, s:e], c_kv_BSR[:, s:e], k_r_BSD[:, s:e], *args, None, True, self.scale)

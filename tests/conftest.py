@@ -72,10 +72,10 @@ SHARED = {
 # machine, both workers busy, 2026-12-05), so the two workers end together: a unit not listed starts after these, in
 # collection order (all of them are short).
 FIRST = (
-    "test_documented_commands.py",  # 280
-    "multinode",  # 242-256 at load average 14-19 on the shared 2-core machine (88 + 71 + 46 + 42 + 9); idle: less
+    "test_documented_commands.py",  # 280 (2026-12-05); 614 in the 2026-12-06 merge run (machine shared, see below)
+    "ep2_ref",  # 81 + 90 + eval loop 160 + 117 (2026-12-06 merge run, machine partly shared)
+    "multinode",  # 106 + 54 + 44 + 36 + 9 (2026-12-06 merge run)
     "distributed/test_zero3_ep.py",  # 123 in a new virtualenv (~65 of it DeepSpeed's CPU Adam JIT build), else 53
-    "ep2_ref",  # 70 + 31
     "ref_run",  # 44 + 32 + 23
     "distributed/test_sequence_parallel.py",  # 81 + 20
     "distributed/test_vision_train.py",  # 77 (6 launches, 5 at once)

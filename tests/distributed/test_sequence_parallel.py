@@ -93,7 +93,7 @@ def test_the_rows_pack_documents_across_the_shard_edge_with_odd_lengths():
         docs = list(zip(cu, cu[1:]))
         crosses = any(s < SEQ // 2 < e for s, e in docs)
         packed_across += len(docs) > 1 and crosses and any((e - s) % 2 for s, e in docs)
-    assert packed_across >= 3, packed_across
+    assert packed_across >= 2, packed_across  # 2 of the stream's first rows since the embedded corpus holds 2% out
 
 
 def test_sp2_with_ep2_and_zero2_losses_match_one_rank_within_1e_5(jobs):
