@@ -17,9 +17,9 @@ ask once: the key appears once before the question, drawn at random per row.
 
 from __future__ import annotations
 
-import copy
 import random
-from collections.abc import Iterator
+
+from data.synthetic import IndexedRecords
 
 FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
 INTRO = "Find the pass key.\n"
@@ -49,21 +49,10 @@ def record(index: int, split: str = "train", max_filler: int = 3, digits: int = 
     return {"text": doc + (" " + key + QUESTION) * (repeats - 1) + " " + key}
 
 
-class PasskeyDocs:
-    """One epoch of `size` records with the IterableDataset position API SourceStream uses."""
+class PasskeyDocs(IndexedRecords):
+    """One epoch of `size` passkey records as a source (data/synthetic.py IndexedRecords: exact resume)."""
 
     def __init__(self, split: str, size: int) -> None:
         if split not in _SPLIT_SALT:
             raise ValueError(f"synthetic passkey split {split!r} is not one of {sorted(_SPLIT_SALT)}")
-        self.split, self.size, self.pos = split, int(size), 0
-
-    def state_dict(self) -> dict:
-        return {"pos": self.pos}
-
-    def load_state_dict(self, st: dict) -> None:
-        self.pos = int(copy.deepcopy(st)["pos"])
-
-    def __iter__(self) -> Iterator[dict]:
-        while self.pos < self.size:
-            self.pos += 1
-            yield record(self.pos - 1, self.split)
+        super().__init__(record, split, size)

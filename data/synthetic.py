@@ -14,7 +14,7 @@ indices' generator stream), `size` records per epoch.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -70,13 +70,12 @@ def record(index: int, split: str = "train", image: Any = None) -> dict:
     return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": caption}]}
 
 
-class SyntheticCaptions:
-    """An iterable over one epoch of `size` records with the IterableDataset position API SourceStream uses."""
+class IndexedRecords:
+    """One epoch of `size` records, record i = `make(i, split)`, with the IterableDataset position API SourceStream
+    uses: the state is the next index, so a resume continues exactly (the synthetic sources share it)."""
 
-    def __init__(self, name: str, split: str, size: int) -> None:
-        if name not in GENERATORS:
-            raise ValueError(f"synthetic source {name!r} is not one of {GENERATORS}")
-        self.split, self.size, self.pos = split, int(size), 0
+    def __init__(self, make: Callable[[int, str], dict], split: str, size: int) -> None:
+        self.make, self.split, self.size, self.pos = make, split, int(size), 0
 
     def state_dict(self) -> dict:
         return {"pos": self.pos}
@@ -87,4 +86,13 @@ class SyntheticCaptions:
     def __iter__(self) -> Iterator[dict]:
         while self.pos < self.size:
             self.pos += 1
-            yield record(self.pos - 1, self.split)
+            yield self.make(self.pos - 1, self.split)
+
+
+class SyntheticCaptions(IndexedRecords):
+    """The synthetic image-caption conversations as a source."""
+
+    def __init__(self, name: str, split: str, size: int) -> None:
+        if name not in GENERATORS:
+            raise ValueError(f"synthetic source {name!r} is not one of {GENERATORS}")
+        super().__init__(record, split, size)
