@@ -5,14 +5,13 @@ Each returns table rows; on CPU (the dry run) each runs its code at toy sizes an
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 import warnings
 from typing import Any, Callable, Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from bench import probes
 from bench.common import time_fn
 
 
@@ -21,43 +20,13 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-SYNC_OPS = ("_local_scalar_dense", "nonzero", "bincount", "repeat_interleave")
-
-
-class _HostReadOps(TorchDispatchMode):
-    """CPU stand-in for CUDA's sync debug mode: counts the ops that read device values on the host
-    (`_local_scalar_dense` behind .item()/float()/bool(), nonzero, bincount, repeat_interleave) and Tensor.tolist."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func._schema.name.split("::")[-1] in SYNC_OPS
-        return func(*args, **(kwargs or {}))
-
-    def __enter__(self):
-        self._tolist = torch.Tensor.tolist
-
-        def tolist(t):
-            self.count += 1
-            return self._tolist(t)
-
-        torch.Tensor.tolist = tolist
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch.Tensor.tolist = self._tolist
-        return super().__exit__(*exc)
-
-
 def count_syncs(fn: Callable[[], Any], dev: str) -> int:
     """Host syncs of one call of `fn`: on CUDA the warnings of `torch.cuda.set_sync_debug_mode("warn")` (every
-    synchronising CUDA call), on CPU the host-read ops above."""
+    synchronising CUDA call), on CPU the host-read ops bench/probes.py counts (the sync-budget tests' counter)."""
     if dev != "cuda":
-        with _HostReadOps() as rec:
+        with probes.count_syncs() as counter:
             fn()
-        return rec.count
+        return counter.total
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -93,6 +62,16 @@ def doc_cu(total: int, dev: str) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=dev)
 
 
+def versus(base: tuple[str, Any, str], other: tuple[str, Any, str], speedup: str) -> list[dict[str, Any]]:
+    """Two timed rows (check, time_fn result, note) and the speed-up of `other` over `base`, measured in one run."""
+    rows = [
+        {"check": check, "value": t.median * 1e3, "unit": "ms", "spread": t.spread, "note": note}
+        for check, t, note in (base, other)
+    ]
+    speed = {"check": speedup, "value": base[1].median / other[1].median, "unit": "x", "note": "same inputs, same run"}
+    return [*rows, speed]
+
+
 def mla_check(T: int, reps: int, dev: str, preset: str) -> list[dict[str, Any]]:
     """One MLA layer over a packed row: FlexAttention with a document block mask (CUDA's path, one compiled call)
     vs one SDPA call per document (CPU's path), bf16 fwd+bwd, outputs and input gradients compared."""
@@ -124,28 +103,19 @@ def mla_check(T: int, reps: int, dev: str, preset: str) -> list[dict[str, Any]]:
     err = rel_err(y_f, y_d) if g_d is None else max(rel_err(y_f, y_d), rel_err(g_f, g_d))
     what = "fwd+bwd" if backward else "fwd"
     docs = len(host) - 1
-    return [
-        {
-            "check": f"MLA packed per-document SDPA bf16 {what} T={T}",
-            "value": t_d.median * 1e3,
-            "unit": "ms",
-            "spread": t_d.spread,
-            "note": f"{docs} documents, {preset} dims (qk {cfg.mla_q_head_dim}, v {cfg.v_head_dim})",
-        },
-        {
-            "check": f"MLA packed flex bf16 {what} T={T}",
-            "value": t_f.median * 1e3,
-            "unit": "ms",
-            "spread": t_f.spread,
-            "note": f"rel err vs per-document {err:.1e} ({'OK' if err < 2e-2 else 'MISMATCH'})",
-        },
-        {
-            "check": "MLA packed flex speed-up over per-document",
-            "value": t_d.median / t_f.median,
-            "unit": "x",
-            "note": "same inputs, same run",
-        },
-    ]
+    return versus(
+        (
+            f"MLA packed per-document SDPA bf16 {what} T={T}",
+            t_d,
+            f"{docs} documents, {preset} dims (qk {cfg.mla_q_head_dim}, v {cfg.v_head_dim})",
+        ),
+        (
+            f"MLA packed flex bf16 {what} T={T}",
+            t_f,
+            f"rel err vs per-document {err:.1e} ({'OK' if err < 2e-2 else 'MISMATCH'})",
+        ),
+        "MLA packed flex speed-up over per-document",
+    )
 
 
 def expert_check(seq: int, batch: int, reps: int, dev: str, preset: str) -> list[dict[str, Any]]:
@@ -157,15 +127,6 @@ def expert_check(seq: int, batch: int, reps: int, dev: str, preset: str) -> list
     torch.manual_seed(0)
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32  # the dry run: fp32 (CPU bf16 GEMMs are slow)
     model = K3ForCausalLM(cfg).to(dev, dtype).train()
-    if not hasattr(model, "set_expert_backend"):
-        return [
-            {
-                "check": "experts grouped_mm vs loop",
-                "value": None,
-                "unit": "",
-                "note": "skipped: this checkout has no model.expert_backend (K3ForCausalLM.set_expert_backend)",
-            }
-        ]
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), device=dev)
     res = {}
     for name in ("loop", "grouped_mm"):
@@ -180,28 +141,15 @@ def expert_check(seq: int, batch: int, reps: int, dev: str, preset: str) -> list
         loss = step()  # the warm-up call
         res[name] = (float(loss), time_fn(step, reps, warmup=0))
     (l_loop, t_loop), (l_g, t_g) = res["loop"], res["grouped_mm"]
-    return [
-        {
-            "check": f"{preset} fwd+bwd bf16 experts loop B={batch} T={seq}",
-            "value": t_loop.median * 1e3,
-            "unit": "ms",
-            "spread": t_loop.spread,
-            "note": f"loss {l_loop:.4f}",
-        },
-        {
-            "check": f"{preset} fwd+bwd bf16 experts grouped_mm B={batch} T={seq}",
-            "value": t_g.median * 1e3,
-            "unit": "ms",
-            "spread": t_g.spread,
-            "note": f"loss {l_g:.4f} (rel diff {abs(l_g - l_loop) / abs(l_loop):.1e})",
-        },
-        {
-            "check": "experts grouped_mm speed-up over loop (whole step)",
-            "value": t_loop.median / t_g.median,
-            "unit": "x",
-            "note": "same inputs, same run",
-        },
-    ]
+    return versus(
+        (f"{preset} fwd+bwd bf16 experts loop B={batch} T={seq}", t_loop, f"loss {l_loop:.4f}"),
+        (
+            f"{preset} fwd+bwd bf16 experts grouped_mm B={batch} T={seq}",
+            t_g,
+            f"loss {l_g:.4f} (rel diff {abs(l_g - l_loop) / abs(l_loop):.1e})",
+        ),
+        "experts grouped_mm speed-up over loop (whole step)",
+    )
 
 
 def sync_check(seq: int, dev: str, preset: str) -> list[dict[str, Any]]:
@@ -209,6 +157,7 @@ def sync_check(seq: int, dev: str, preset: str) -> list[dict[str, Any]]:
     The CPU dry run counts in fp32 (CPU bf16 GEMMs are slow; the counted ops do not depend on the dtype) and
     without the warm-up step (nothing is compiled there)."""
     from model import K3Config, K3ForCausalLM
+    from training import balance
 
     cfg = K3Config.preset(preset)
     torch.manual_seed(0)
@@ -218,17 +167,16 @@ def sync_check(seq: int, dev: str, preset: str) -> list[dict[str, Any]]:
     cu = doc_cu(seq, dev)
     rows = []
     cases = [("unpacked", {})] if dev == "cuda" else []  # the dry run: the packed row only (a superset of reads)
-    for name, kwargs in [*cases, (f"packed ({len(cu) - 1} docs)", {"cu_seqlens": cu})]:
-        if kwargs and "cu_seqlens_host" in inspect.signature(model.forward).parameters:
-            kwargs["cu_seqlens_host"] = cu.tolist()  # the host copy, when the model takes it (read once per batch)
+    # packed: the loader's host copy of the boundaries travels beside the device tensor, as in training/step.py
+    packed = {"cu_seqlens": cu, "cu_seqlens_cpu": cu.cpu()}
+    for name, kwargs in [*cases, (f"packed ({len(cu) - 1} docs)", packed)]:
 
         def step(kwargs: dict[str, Any] = kwargs) -> None:
             out = model(ids, labels=ids, **kwargs)
             out.loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            for moe, s in zip(model.moe_layers(), out.router_stats):
-                moe.balancer.update(s.balance)
+            balance.apply(model.moe_layers(), [s.balance for s in out.router_stats])  # the trainer's one read
 
         if dev == "cuda":
             step()  # warm-up: lazy state, compiled kernels (FlexAttention), cuBLAS handles

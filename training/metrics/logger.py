@@ -75,11 +75,7 @@ class RunLogger:
         """One record {step, time, **metrics} to metrics.jsonl and W&B; advances the progress bar."""
         if not self.is_main:
             return
-        record = {"step": int(step), "time": time.time(), **to_jsonable(dict(metrics))}
-        assert self._metrics is not None
-        self._metrics.write(record)
-        if self._wandb is not None:
-            self._wandb.log(step, {k: v for k, v in record.items() if k not in ("step", "time")})
+        record = self._write(step, metrics)
         if self._progress is not None:
             # the window mean (loss_avg) when the trainer provides it: single-step losses are noisy
             loss, tps = record.get("loss_avg", record.get("loss")), record.get("tokens_per_s")
@@ -94,15 +90,21 @@ class RunLogger:
         `best`: metric -> "min" | "max", the W&B summary keeps that metric's best value (defined once per key)."""
         if not self.is_main:
             return
-        record = {"step": int(step), "time": time.time(), **to_jsonable(dict(metrics))}
-        assert self._metrics is not None
-        self._metrics.write(record)
         if self._wandb is not None:
             for key, goal in (best or {}).items():
                 if key not in self._defined:
                     self._wandb.run.define_metric(key, step_metric="step", summary=goal)
                     self._defined.add(key)
+        self._write(step, metrics)
+
+    def _write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        """One record {step, time, **metrics} to metrics.jsonl and W&B (main rank only); returns it."""
+        record = {"step": int(step), "time": time.time(), **to_jsonable(dict(metrics))}
+        assert self._metrics is not None
+        self._metrics.write(record)
+        if self._wandb is not None:
             self._wandb.log(step, {k: v for k, v in record.items() if k not in ("step", "time")})
+        return record
 
     def heatmap_due(self, step: int) -> bool:
         """True on the first call and then every >= heatmap_every steps (heatmap_every <= 0 disables)."""
