@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 
-.PHONY: venv lint smoke test bench clean
+.PHONY: venv ops lint smoke test bench clean
 
 # Compat editable mode: the repo root goes on sys.path (a .pth file), so `python -m training.<tool>` run from a
 # directory with its own data/ or model/ folder still imports this project's packages, not that folder.
@@ -13,7 +13,15 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q -e ".[dev]" --config-settings editable_mode=compat
+	$(MAKE) --no-print-directory ops
 	touch $@
+
+# DeepSpeed's CPU Adam (the optimizer of deepspeed=*_offload) is a C++ op compiled on first use (~90 CPU-s, cached
+# under ~/.cache/torch_extensions): built once here, as DS_BUILD_CPU_ADAM=1 would at install, so no job stalls on it.
+# Without a compiler the first offload job builds (and reports) it instead.
+ops:
+	DS_ACCELERATOR=cpu $(BIN)/python -c "from deepspeed.accelerator import get_accelerator as a; \
+	a().create_op_builder('CPUAdamBuilder').load()" >/dev/null 2>&1 || echo "warning: could not build DeepSpeed's CPU Adam now"
 
 venv: $(BIN)/.installed
 

@@ -8,8 +8,9 @@ EP=2 + ZeRO-2, tiny K3, the embedded corpus) with `optim=muon` or `optim=adamw` 
 the parameter init; the data stream is the same for every case), so both optimizers see the same tokens in the
 same order. Muon's step is K2's RMS-matched one (`optim.muon_lr_scale=rms`, muon_lr = lr), so the two share the
 smoke job's learning rate and schedule: no per-optimizer tuning. Reported per case: `final_loss_avg` (the mean
-loss of the last logging window, summary.json) and the first-window loss; per optimizer the median over seeds; and
-Muon's median relative to AdamW's.
+loss of the last logging window, summary.json), the first-window loss and the held-out loss at the last step (the
+smoke job's `eval/heldout/loss`: the 2% of the corpus it never trains on); per optimizer the medians over seeds;
+and Muon's medians relative to AdamW's.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from bench.common import print_table, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 OPTIMS = ("adamw", "muon")
+HELDOUT = "eval/heldout/loss"  # the smoke job evaluates its corpus' held-out 2% (at the last step too)
 
 
 def run_job(optim: str, seed: int, steps: int, run_dir: Path) -> dict[str, Any]:
@@ -42,13 +44,17 @@ def run_job(optim: str, seed: int, steps: int, run_dir: Path) -> dict[str, Any]:
         f"train.steps={steps}",
         "checkpoint.every=0",
         "logging.mode=disabled",
+        "eval.on_start=false",  # the fresh model scores the same under either optimizer: only the trained one counts
         f"run_dir={run_dir}",
     ]
     env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if p.returncode != 0:
         raise SystemExit(f"error: the {optim} seed-{seed} job failed (rc={p.returncode}):\n{p.stderr[-2000:]}")
-    return json.loads((run_dir / "summary.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    evals = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if HELDOUT in r]
+    summary["heldout_loss"] = evals[-1][HELDOUT] if evals else float("nan")  # the last step's held-out loss
+    return summary
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -69,16 +75,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "tokens": s["tokens_seen"],
                         "first_loss_avg": s["first_loss_avg"],
                         "final_loss_avg": s["final_loss_avg"],
+                        "heldout_loss": s["heldout_loss"],
                         "elapsed_s": s["elapsed_s"],
                     }
                 )
     median = {o: statistics.median(r["final_loss_avg"] for r in rows if r["optim"] == o) for o in OPTIMS}
+    held = {o: statistics.median(r["heldout_loss"] for r in rows if r["optim"] == o) for o in OPTIMS}
     summary = [
         {
             "optim": o,
             "seeds": len(args.seeds),
             "median_final_loss": median[o],
             "vs_adamw": median[o] / median["adamw"],
+            "median_heldout_loss": held[o],
+            "heldout_vs_adamw": held[o] / held["adamw"],
             "median_elapsed_s": statistics.median(r["elapsed_s"] for r in rows if r["optim"] == o),
         }
         for o in OPTIMS

@@ -6,7 +6,7 @@ caption. Two kinds of picture:
 - shapes: 1-4 filled circles / squares / triangles of one colour in a 2 x 2 grid -> "2 red circles";
 - digits: one digit in a colour -> "the digit 7 in blue".
 The caption names exactly what is drawn and the question is always the same, so it can only be predicted by
-looking at the image (the `eval_caption_loss` / `_shuffled` gap of vlm_smoke measures that).
+looking at the image (the `eval/caption/loss` / `loss_shuffled` gap of vlm_smoke measures that).
 Source config: `type: synthetic`, `path: captions`, `format: chat`, `split: train | eval` (held out: other
 indices' generator stream), `size` records per epoch.
 """

@@ -54,6 +54,8 @@ EXEMPT = {
     "tests/distributed/test_sequence_parallel.py runs the same SP build, engine and step; bench/results/memory_sp.json",
     "deepspeed --num_gpus 2 training/evaluate.py checkpoint=runs/eval_demo parallel=ep2 deepspeed=zero3": "a 2-rank "
     "launch; tests/distributed/test_eval_loop.py runs this evaluation at EP=2 ZeRO-3 and SP=2 against 1 rank",
+    "python -m training.launch experiment=vlm_smoke run_dir=runs/vlm_smoke": "tests/distributed/test_vision_train.py "
+    "launches experiment=vlm_smoke at four layouts (its caption evaluation included) against one process",
     "python -m training.launch experiment=passkey_smoke": "a bench-sized 2-rank job (minutes); "
     "tests/training/test_eval.py runs its passkey task on a tiny model",
     "OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu .venv/bin/python -m bench.kda --threads 1 --fla-path /tmp/fla/pkg": (

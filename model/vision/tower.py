@@ -126,7 +126,8 @@ class PatchEmbed(nn.Module):
         self.pos_emb = PosEmb(cfg)
 
     def forward(self, pixels_N3PP: torch.Tensor, sizes: list[tuple[int, int]]) -> torch.Tensor:
-        x_ND = self.proj(pixels_N3PP).flatten(1)  # one output pixel per patch
+        # pixels come from the data pipeline in float32; the tower reads them in its own dtype (bf16, float64)
+        x_ND = self.proj(pixels_N3PP.to(self.proj.weight.dtype)).flatten(1)  # one output pixel per patch
         return x_ND + self.pos_emb(sizes).to(x_ND.dtype)
 
 

@@ -221,3 +221,44 @@ def test_the_embedded_choice_task_is_the_same_in_every_process():
     env = {**os.environ, "PYTHONHASHSEED": "12345"}  # str hashing (set order) differs from this process'
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
     assert json.loads(other) == [[i.context, i.endings, i.label] for i in embedded_items(16)]
+
+
+def test_a_choice_dataset_is_read_through_hf_datasets_with_hellaswags_fields(tmp_path):
+    """`dataset: <name>` goes to `datasets.load_dataset(name, config, split=...)`; here a local dataset folder (no
+    network) with the HF `hellaswag` rows' fields: ctx_a + ctx_b, activity_label, label as a string, read as
+    lm-eval-harness reads them (ctx_b capitalised, ` [title]` -> `. `)."""
+    from training.eval.choice import load_items
+
+    rows = [
+        {
+            "ind": 4,
+            "activity_label": "Removing ice from car",
+            "ctx_a": "Then, the man writes over the snow.",
+            "ctx_b": "then",
+            "ctx": "Then, the man writes over the snow. then",
+            "endings": ["a [title] b", "b", "c", "d"],
+            "source_id": "x",
+            "split": "val",
+            "split_type": "indomain",
+            "label": "3",
+        },
+        {
+            "ind": 5,
+            "activity_label": "Baking cookies",
+            "ctx_a": "A woman mixes flour.",
+            "ctx_b": "she",
+            "ctx": "A woman mixes flour. she",
+            "endings": ["e", "f", "g", "h"],
+            "source_id": "y",
+            "split": "val",
+            "split_type": "zeroshot",
+            "label": "0",
+        },
+    ]
+    folder = tmp_path / "hellaswag_local"
+    folder.mkdir()
+    (folder / "validation.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    items = load_items({"dataset": str(folder), "split": "validation"})
+    assert [it.label for it in items] == [3, 0] and items[1].endings == ["e", "f", "g", "h"]
+    assert items[0].context == "Removing ice from car: Then, the man writes over the snow. Then"
+    assert items[0].endings[0] == "a. b"

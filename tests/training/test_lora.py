@@ -167,3 +167,35 @@ def test_bad_lora_settings_are_refused_in_one_line(base, override, message):
     with pytest.raises(TrainConfigError, match=message) as e:
         validate(cfg, 1)
     assert "\n" not in str(e.value)
+
+
+def test_evaluating_the_checkpoint_scores_base_plus_adapters(root, base, ref):
+    """`training.evaluate` on the LoRA run (its checkpoint holds adapters only; the tool merges them into the base)
+    gives the held-out loss of the trained model with its adapters live, not the base's."""
+    import subprocess
+    import sys
+
+    from data import DataConfig, load_tokenizer
+    from model import load_hf_checkpoint
+    from tests.distributed.conftest import REPO, job_env
+    from training.eval.forward import EvalContext
+    from training.eval.loss import evaluate_loss
+    from training.eval.sets import build_loss_set
+
+    chat = REPO / "data" / "examples" / "chat_tiny.jsonl"
+    sets = f"eval.sets=[{{name: chat, rows: 6, sources: [{{type: jsonl, path: {chat}, format: chat}}]}}]"
+    out = root / "lora_eval.json"
+    cmd = [sys.executable, "-m", "training.evaluate", f"checkpoint={ref.run_dir}", sets, f"out={out}"]
+    p = subprocess.run(cmd, cwd=REPO, env=job_env(None), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    got = json.loads(out.read_text())["chat"]["loss"]
+
+    spec = {"name": "chat", "rows": 6, "sources": [{"type": "jsonl", "path": str(chat), "format": "chat"}]}
+    chat_set = build_loss_set(spec, DataConfig(), load_tokenizer(str(base)), 256, "assistant")  # sft_tiny's rows
+
+    def loss(model) -> float:
+        return evaluate_loss(EvalContext(model.eval(), torch.device("cpu"), batch_rows=2), chat_set)["loss"]
+
+    trained, _ = load_checkpoint_model(str(ref.run_dir))  # base + adapters, unmerged
+    assert got == pytest.approx(loss(trained), rel=1e-5)
+    assert abs(got - loss(load_hf_checkpoint(str(base), dtype=torch.float32))) > 1e-3  # the adapters count

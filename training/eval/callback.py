@@ -66,7 +66,7 @@ class EvalCallback(Callback):
 
 def _shown(key: str) -> bool:
     leaf = key.rsplit("/", 1)[-1]
-    return leaf in ("loss", "bpb", "acc", "acc_norm") or leaf.startswith("acc@")
+    return leaf in ("loss", "loss_shuffled", "ratio", "bpb", "acc", "acc_norm") or leaf.startswith("acc@")
 
 
 def eval_callbacks(cfg: Any) -> list[Callback]:

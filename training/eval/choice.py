@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,10 +40,20 @@ class Item:
     label: int
 
 
+def hellaswag_text(text: str) -> str:
+    """lm-eval-harness' HellaSwag preprocessing: WikiHow's ` [title]` becomes `. `, other [tags] go, double spaces
+    become one."""
+    text = text.strip().replace(" [title]", ". ")
+    return re.sub(r"\[.*?\]", "", text).replace("  ", " ")
+
+
 def parse_item(row: dict[str, Any], where: str) -> Item:
-    """A HellaSwag-format row -> Item; EvalConfigError naming `where` when a field is missing or wrong."""
+    """A HellaSwag-format row -> Item; EvalConfigError naming `where` when a field is missing or wrong. Rows of
+    HellaSwag itself (with `ctx_a`) are read as lm-eval does: context `ctx_a + " " + ctx_b.capitalize()`, context
+    and endings through `hellaswag_text`; rows with `ctx` only are used as written."""
+    hellaswag = "ctx_a" in row
     ctx = row.get("ctx")
-    if ctx is None and "ctx_a" in row:
+    if hellaswag:
         b = str(row.get("ctx_b") or "")
         ctx = f"{row['ctx_a']} {b[:1].upper()}{b[1:]}".rstrip()
     endings, label = row.get("endings"), row.get("label")
@@ -57,7 +68,10 @@ def parse_item(row: dict[str, Any], where: str) -> Item:
     if not 0 <= label < len(endings):
         raise EvalConfigError(f"{where}: label {label} is outside endings[0..{len(endings) - 1}]")
     act = row.get("activity_label")
-    return Item(f"{act}: {ctx}" if act else ctx, list(endings), label)
+    context = f"{act}: {ctx}" if act else ctx
+    if hellaswag:
+        return Item(hellaswag_text(context), [hellaswag_text(e) for e in endings], label)
+    return Item(context, list(endings), label)
 
 
 def read_jsonl(path: str) -> list[Item]:

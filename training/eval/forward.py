@@ -37,6 +37,7 @@ class EvalContext:
     sp_size: int = 1
     batch_rows: int = 4  # rows per rank per forward
     media_id: int | None = None
+    model_config: Any = None  # the model's K3Config (tasks on images read its tower's geometry)
     out_dir: str | None = None  # where tasks write their tables / plots (the run dir); rank 0 only
     is_main: bool = True
 
@@ -52,6 +53,7 @@ class EvalContext:
             sp,
             batch_rows,
             trainer.mcfg.media_placeholder_token_id,
+            trainer.mcfg,
             str(trainer.run_dir),
             bool(trainer.is_main),
         )
@@ -72,15 +74,27 @@ def batch_of(ids_RT: torch.Tensor, labels_RT: torch.Tensor, starts: list[list[in
 
 
 @torch.no_grad()
-def score_rows(ctx: EvalContext, ids_RT: torch.Tensor, labels_RT: torch.Tensor, starts: list[list[int]]) -> TokenScores:
-    mb = batch_of(ids_RT, labels_RT, starts)
+def score_rows(
+    ctx: EvalContext,
+    ids_RT: torch.Tensor,
+    labels_RT: torch.Tensor,
+    starts: list[list[int]],
+    images: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> TokenScores:
+    """`images`: the rows' (pixel_values, grid_thws) in row order (data/images.py `batch_images`), for a
+    multimodal model; under sequence parallelism every rank of the group passes all of them (training/step.py)."""
+    mb: dict[str, Any] = batch_of(ids_RT, labels_RT, starts)
+    if images is not None:
+        mb["pixel_values"], mb["grid_thws"] = images
     micro = pack_microbatch(mb, ctx.sp_size, ctx.sp_rank, ctx.media_id)
     N = ids_RT.numel()
     whole = shift_targets(mb["labels"].reshape(1, -1), mb["cu_seqlens"])[0]  # the whole stream's targets
     n = N // ctx.sp_size
     lo = ctx.sp_rank * n  # this rank's slice (pack_microbatch keeps tokens [lo, lo + n))
     targets_n = whole[lo : lo + n]
-    out = ctx.module(input_ids=micro.ids_1N.to(ctx.device), cu_seqlens=micro.cu_seqlens.to(ctx.device))
+    inputs = micro.model_inputs(ctx.device)
+    inputs.pop("labels", None), inputs.pop("targets", None)  # targets are scored here, in float64
+    out = ctx.module(**inputs)
     logits_nV = out.logits[0]
     del out
     nll_N = torch.zeros(N, dtype=torch.float64)

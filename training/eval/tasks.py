@@ -2,9 +2,10 @@
 
 A task is built once from its spec, the tokenizer and the context length, and `evaluate(ctx)` returns its metrics
 (`eval/<name>/<metric>`), the same numbers at any parallel layout (training/eval/forward.py). Types: `choice`
-(multiple choice by log-likelihood, training/eval/choice.py) and `passkey` (long-context retrieval,
-training/eval/passkey.py). Every task also takes `every: N`: in the loop it runs at its first evaluation, every N
-steps and at the last step (0, the default: at every evaluation); a checkpoint's evaluation runs it always.
+(multiple choice by log-likelihood, training/eval/choice.py), `passkey` (long-context retrieval,
+training/eval/passkey.py) and `caption` (image captions with their own vs shuffled images, training/eval/caption.py).
+Every task also takes `every: N`: in the loop it runs at its first evaluation, every N steps and at the last step
+(0, the default: at every evaluation); a checkpoint's evaluation runs it always.
 """
 
 from __future__ import annotations
@@ -15,7 +16,11 @@ from typing import Any, Protocol
 from training.eval.forward import EvalContext
 from training.eval.sets import EvalConfigError
 
-TASK_TYPES = {"choice": "training.eval.choice:ChoiceTask", "passkey": "training.eval.passkey:PasskeyTask"}
+TASK_TYPES = {
+    "caption": "training.eval.caption:CaptionTask",
+    "choice": "training.eval.choice:ChoiceTask",
+    "passkey": "training.eval.passkey:PasskeyTask",
+}
 
 
 class Task(Protocol):

@@ -54,8 +54,15 @@ def _is_group(override: str) -> bool:
 
 
 def _set(cfg: DictConfig, key: str, value: Any) -> None:
-    """cfg[key] = value for a dotted key whose parts may index lists (eval.sets.0.rows=8)."""
+    """cfg[key] = value for a dotted key whose parts may index lists (eval.sets.0.rows=8). A whole section is
+    merged in as Hydra does, so a list of mappings takes its schema (eval.sets=[{name: x, sources: [...]}])."""
     *path, last = key.split(".")
+    if not any(p.isdigit() for p in (*path, last)):
+        nested: Any = value
+        for part in reversed([*path, last]):
+            nested = {part: nested}
+        cfg.merge_with(nested)  # lists are replaced whole, mappings validated against the dataclass
+        return
     node: Any = cfg
     for part in path:
         node = node[int(part)] if OmegaConf.is_list(node) else node[part]
