@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from training.metrics import RunLogger, router_metrics
-from training.metrics.sinks import read_jsonl, read_wandb_offline_history, read_wandb_offline_run, scrub_secrets
+from training.metrics.sinks import (
+    read_jsonl,
+    read_wandb_offline_history,
+    read_wandb_offline_run,
+    read_wandb_offline_summary,
+    scrub_secrets,
+)
 
 REQUIRED = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu")
 
@@ -159,3 +165,14 @@ def test_non_main_rank_writes_nothing(tmp_path):
 def test_bad_mode_is_a_one_line_error(tmp_path):
     with pytest.raises(ValueError, match="logging.mode=offline"):
         RunLogger(tmp_path, {}, "onlin", "p", None, 1, True, 1, False)
+
+
+def test_the_wandb_summary_keeps_each_eval_metrics_best_value(tmp_path):
+    """log_eval's goals: the W&B summary holds the lowest loss and the highest accuracy seen, not the last."""
+    goals = {"eval/heldout/loss": "min", "eval/mc/acc": "max"}
+    with RunLogger(tmp_path, {}, "offline", "k3-test", None, 6, True, 0, False, progress=False) as lg:
+        for step, loss, acc in [(2, 5.0, 0.25), (4, 4.0, 0.5), (6, 4.5, 0.375)]:
+            lg.log_eval(step, {"eval/heldout/loss": loss, "eval/mc/acc": acc, "eval/time_s": 0.1}, goals)
+    summary = read_wandb_offline_summary(tmp_path)
+    assert summary["eval/heldout/loss"] == {"min": 4.0} and summary["eval/mc/acc"] == {"max": 0.5}
+    assert [r["eval/heldout/loss"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [5.0, 4.0, 4.5]

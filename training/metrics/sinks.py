@@ -215,6 +215,24 @@ def read_wandb_offline_history(run_dir: str | os.PathLike) -> list[dict[str, Any
     return rows
 
 
+def read_wandb_offline_summary(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """The run summary the offline W&B run files under run_dir/wandb hold at their end ({key: value}; a metric
+    defined with `summary="min"` reads {"min": best}), as `wandb sync` will upload it."""
+    out: dict[str, Any] = {}
+    for rec in _offline_records(run_dir):
+        if rec.WhichOneof("record_type") != "summary":
+            continue
+        for item in rec.summary.update:
+            path = [item.key] if item.key else list(item.nested_key)
+            node = out
+            for part in path[:-1]:
+                node = node.setdefault(part, {})
+            node[path[-1]] = json.loads(item.value_json)
+        for item in rec.summary.remove:
+            out.pop(item.key, None)
+    return out
+
+
 def read_wandb_offline_run(run_dir: str | os.PathLike) -> dict[str, Any]:
     """The run record of the newest offline W&B run file under run_dir/wandb: {id, project, group, name} as the
     W&B server will receive them on `wandb sync` (the group ties a sweep's runs together there)."""
