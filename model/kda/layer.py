@@ -45,11 +45,9 @@ def segment_starts(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
 class KDA(nn.Module):
     """Kimi Delta Attention mixer. `forward(x_BTD, cu_seqlens=None, cache=None) -> y_BTD`; x is already input-normed.
 
-    `_keep_fp32` names the parameters that stay fp32 in a bf16 run (docs/model.md §12: they are fp32 in the release,
-    tiny and numerically sensitive); whoever casts the model (training/engine, model/hf) must skip them.
+    The conv weights, A_log, dt_bias and o_norm are fp32 in the release (model/hf.py `FP32_SUFFIXES`, docs/model.md
+    §12) and are read in fp32 here whatever their storage dtype.
     """
-
-    _keep_fp32 = ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", "A_log", "dt_bias", "o_norm.weight")
 
     def __init__(self, config: K3Config, layer_idx: int) -> None:
         super().__init__()
