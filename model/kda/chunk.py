@@ -43,6 +43,15 @@ EXP_LIMIT = {torch.float32: 80.0, torch.float64: 600.0}
 # normal operand, and a factor >= 1e-30 times an operand >= 1e-8 stays normal; the maths changes by < 1e-30 per
 # factor.
 EXP_FLOOR = {torch.float32: math.log(1e-30), torch.float64: math.log(1e-300)}
+# The UT transform runs scaled by a power of two (exact): W = T Diag(beta) kg is computed from kg times UT_SCALE and
+# the strips of T from Diag(beta) A_kk times UT_SCALE; both come back unscaled with entries below the floor (1e-30)
+# flushed to 0 (`_unscale_flushed`, `BlockLower.unit_inverse`). Unscaled, W_r ~ exp(G_r) and the strips of
+# T ~ exp(G_r - G_i) fall below 1e-38 within a 64-chunk under K3's gate (G_63 ~ -160): products of two values
+# >= 1e-30 can be anything down to 1e-60, and those matmuls wrote fp32 subnormals. Flush-to-zero cannot help
+# there: it is per-thread state (MXCSR), and torch's intra-op workers keep their own (2 threads left 38,734
+# subnormal values at T = 2048). Scaled, a floored value (>= 1e-30) is >= 1.27 times its operand. fp32 headroom:
+# UT_SCALE |W| and UT_SCALE |T| (strips) below 3.4e38, i.e. |W|, |T| below 2.7e8 (both ~1 or less).
+UT_SCALE = {torch.float32: 2.0**100, torch.float64: 2.0**900}
 
 
 def sub_block_size(C: int, max_abs_g: float, dtype: torch.dtype) -> int:
@@ -52,6 +61,13 @@ def sub_block_size(C: int, max_abs_g: float, dtype: torch.dtype) -> int:
         if C % S == 0 and (S // 2) * max_abs_g <= limit:
             return S
     return 0
+
+
+def _unscale_flushed(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x / scale in place on x, entries with |x / scale| <= floor (1e-30) set to 0: two passes, never a
+    subnormal (x holds values times `scale`, a power of two)."""
+    torch.ops.aten.hardshrink.out(x, scale * math.exp(EXP_FLOOR[x.dtype]), out=x)
+    return x.mul_(1.0 / scale)
 
 
 def _exp_floored(x: torch.Tensor, floor_scale: float = 1.0) -> torch.Tensor:
@@ -76,12 +92,13 @@ def flush_denormals_enabled() -> bool:
 def flush_denormals() -> Iterator[None]:
     """Flush-to-zero on the calling thread for the kernel's duration, the caller's setting restored after.
 
-    The decay factors are kept out of the subnormal range by construction (`_exp_floored`), but products of
-    genuinely tiny interactions (rows ~60 apart in a 64-chunk under strong decay: exp(G_r - G_i) < 1e-38) still
-    underflow inside the batched matmuls of the UT transform; FTZ turns those into zeros (each < 1.2e-38) instead
-    of microcode assists. torch.set_flush_denormal is per-thread state: intra-op worker threads keep theirs
-    (docs/performance.md, "Denormals"), the autograd Function scopes it in forward and in backward, whichever
-    thread runs them."""
+    Not what keeps the kernel normal: decay factors are floored (`_exp_floored`) and the UT transform runs scaled
+    (`UT_SCALE`), so on the bench's inputs no op writes a subnormal, with or without FTZ, on any number of threads
+    (but for an isolated product of two tiny gradients). Kept for what construction does not reach: when every
+    channel decays near the gate bound at once (g < -4 everywhere), the diagonal sub-blocks' factors span e^+-80
+    and their score products underflow. FTZ turns those into zeros on the calling thread only:
+    torch.set_flush_denormal is per-thread state, intra-op worker threads keep theirs (docs/performance.md,
+    "Denormals"). The autograd Function scopes it in forward and in backward, whichever thread runs them."""
     if flush_denormals_enabled():
         yield
         return
@@ -225,9 +242,14 @@ def _forward_group(q, k, X0, G, beta, S_all, n0: int, S: int) -> tuple[torch.Ten
     qg = q * Gam
     torch.mul(k, Gam, out=X0[..., :K])  # X0 = [kg | v]
     beta1 = beta.unsqueeze(-1)
-    Tm = A_kk.scale_rows(beta).unit_inverse()  # (I + Diag(beta) A_kk)^-1
-    WU = Tm.mm(X0 * beta1)  # [W | U] = T Diag(beta) [kg | v]
-    W, U = WU[..., :K], WU[..., K:]  # strided views: BLAS takes them as they are
+    scale = UT_SCALE[q.dtype]  # see UT_SCALE: no subnormal on any thread
+    Tm = A_kk.scale_rows(beta, scale).unit_inverse(scale, math.exp(EXP_FLOOR[q.dtype]))  # (I + Diag(beta) A_kk)^-1
+    Xb = torch.empty_like(X0)  # Diag(beta) [kg | v], kg times the scale
+    torch.mul(X0[..., :K], beta1 * scale, out=Xb[..., :K])
+    torch.mul(X0[..., K:], beta1, out=Xb[..., K:])
+    WU = Tm.mm(Xb)  # [W | U] = T Diag(beta) [kg | v]
+    del Xb
+    W, U = _unscale_flushed(WU[..., :K], scale), WU[..., K:]  # strided views: BLAS takes them as they are
     d = Gam[..., -1, :].unsqueeze(-1)  # exp(G_last) [n, X, K, 1]
     Kd = k * E  # [n, X, C, K]
     Vp = torch.empty_like(U, memory_format=torch.contiguous_format)  # pseudo-values U - W S
