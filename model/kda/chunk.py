@@ -74,7 +74,7 @@ def _exp_floored(x: torch.Tensor, floor_scale: float = 1.0) -> torch.Tensor:
     """exp(x) for x <= 0 terms whose underflow is harmless, with exp(x) < exp(floor_scale * EXP_FLOOR) flushed to
     exactly 0 (x below the floor becomes -inf in the same pass): never a subnormal factor. In place on x (callers
     pass a fresh temporary). floor_scale 1/2: for the two factors of a strip product, whose product then is 0 or
-    >= 1e-30 (a dropped product is < 1e-15 times the operands, far below fp32 resolution of the O(1) scores)."""
+    >= 1e-30; what that drops is bounded in `_DecayFactors` (below 1e-15 times the operands, not 1e-30)."""
     return torch.nn.functional.threshold(x, floor_scale * EXP_FLOOR[x.dtype], -math.inf, inplace=True).exp_()
 
 
@@ -121,7 +121,15 @@ class _DecayFactors:
     P = exp(G_r - G_m), Q = exp(G_m - G_i) = 1 / P, both within exp(+-(S // 2) max|g|) <= exp(limit) (entries
     above the diagonal may overflow in the score matmul; `tril` drops them). The strip below diagonal block b
     (all later rows, columns of b) splits at b's last row e: exp(G_r - G_e) and exp(G_e - G_i) are both <= 1
-    (g <= 0), so flushing those below 1e-15 to zero (`_exp_floored`) changes nothing that matters. S == 0
+    (g <= 0), and each is flushed to zero below 1e-15 (`_exp_floored`), so a kept product is >= 1e-30. The exact
+    bound on what that drops: a product is dropped only if one factor is < 1e-15, and the other is <= 1, so only
+    decays exp(G_r - G_i) < 1e-15 are dropped (all below 1e-30 are, any in [1e-30, 1e-15) may be). A dropped term
+    a_rc b_ic exp(G_rc - G_ic) of a score is < 1e-15 |a_rc b_ic|: relative to the operands, not the 1e-30
+    absolute of flush-to-zero. For K3 (q, k L2-normalised, q scaled by K^-1/2) a score moves by < 1.25e-16, an
+    output row by < 1.25e-16 sum_i |Vp_i| over the strip's columns: ~1e-9 of an fp32 ulp of an O(1) value.
+    Backward terms alike: < 1e-15 |dA_ri| |b_i|. Floors of 1e-30 per factor would make the bound 1e-30 |a b|,
+    but their products (down to 1e-60) would need the strip products scaled like the UT transform (`UT_SCALE`),
+    forward and backward, and explicitly unscaled before every GEMM that consumes them. S == 0
     (growth, or decay too strong even for S = 2): one block with the exact [C, C, K] factor D = exp(G_r - G_i),
     zero above the diagonal.
 
