@@ -94,7 +94,7 @@ def flush_denormals() -> Iterator[None]:
 
     Not what keeps the kernel normal: decay factors are floored (`_exp_floored`) and the UT transform runs scaled
     (`UT_SCALE`), so on the bench's inputs no op writes a subnormal, with or without FTZ, on any number of threads
-    (but for an isolated product of two tiny gradients). Kept for what construction does not reach: when every
+    (but for an isolated product of a tiny gradient and a tiny factor). Kept for what construction misses: when every
     channel decays near the gate bound at once (g < -4 everywhere), the diagonal sub-blocks' factors span e^+-80
     and their score products underflow. FTZ turns those into zeros on the calling thread only:
     torch.set_flush_denormal is per-thread state, intra-op worker threads keep theirs (docs/performance.md,
