@@ -82,10 +82,11 @@ class BlockLower:
             St.mul_(beta[..., self._rows(b)[0] :, None])
         return self
 
-    def scale_rows(self, beta: torch.Tensor) -> BlockLower:
+    def scale_rows(self, beta: torch.Tensor, strip_scale: float = 1.0) -> BlockLower:
+        """Diag(beta) M, its strips times `strip_scale` as well (for `unit_inverse`'s scaled strips)."""
         return BlockLower(
             self.diag * beta.view(*beta.shape[:-1], self.n_s, self.S, 1),
-            [St * beta[..., self._rows(b)[0] :, None] for b, St in enumerate(self.strips)],
+            [St * (beta[..., self._rows(b)[0] :, None] * strip_scale) for b, St in enumerate(self.strips)],
         )
 
     def row_dot(self, other: BlockLower) -> torch.Tensor:
@@ -95,9 +96,14 @@ class BlockLower:
             out[..., self._rows(b)[0] :].add_((St * Ot).sum(-1))
         return out
 
-    def unit_inverse(self) -> BlockLower:
+    def unit_inverse(self, strip_scale: float = 1.0, floor: float = 0.0) -> BlockLower:
         """(I + M)^-1 for strictly lower M, blockwise: T_bb = (I + M_bb)^-1 for all diagonal blocks at once, then
-        from the last strip back, T[after b, b] = -T[after b, after b] M[after b, b] T_bb."""
+        from the last strip back, T[after b, b] = -T[after b, after b] M[after b, b] T_bb.
+
+        `strip_scale`: this matrix's strips hold M's strips times strip_scale (a power of two: exact), so the
+        strip products run on scaled values; the inverse's strips come back unscaled, entries of magnitude up to
+        `floor` flushed to 0 (model/kda/chunk.py: the decayed couplings there reach 1e-45, and their products,
+        unscaled, would be fp32 subnormals)."""
         Td = unit_lower_inverse(self.diag)
         strips: list[torch.Tensor] = [None] * len(self.strips)  # type: ignore[list-item]
         S = self.S
@@ -110,7 +116,10 @@ class BlockLower:
                 as_batched(Y[..., r2 - r0 :, :]).baddbmm_(
                     as_batched(strips[b2]), as_batched(Z[..., r2 - S - r0 : r2 - r0, :])
                 )
-            strips[b] = Y.neg_()
+            if strip_scale == 1.0 and floor == 0.0:
+                strips[b] = Y.neg_()
+            else:  # |x| <= floor -> 0 and unscale, as -x / strip_scale
+                strips[b] = torch.nn.functional.hardshrink(Y, strip_scale * floor).mul_(-1.0 / strip_scale)
         return BlockLower(Td, strips)
 
 

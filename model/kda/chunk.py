@@ -43,6 +43,15 @@ EXP_LIMIT = {torch.float32: 80.0, torch.float64: 600.0}
 # normal operand, and a factor >= 1e-30 times an operand >= 1e-8 stays normal; the maths changes by < 1e-30 per
 # factor.
 EXP_FLOOR = {torch.float32: math.log(1e-30), torch.float64: math.log(1e-300)}
+# The UT transform runs scaled by a power of two (exact): W = T Diag(beta) kg is computed from kg times UT_SCALE and
+# the strips of T from Diag(beta) A_kk times UT_SCALE; both come back unscaled with entries below the floor (1e-30)
+# flushed to 0 (`_unscale_flushed`, `BlockLower.unit_inverse`). Unscaled, W_r ~ exp(G_r) and the strips of
+# T ~ exp(G_r - G_i) fall below 1e-38 within a 64-chunk under K3's gate (G_63 ~ -160): products of two values
+# >= 1e-30 can be anything down to 1e-60, and those matmuls wrote fp32 subnormals. Flush-to-zero cannot help
+# there: it is per-thread state (MXCSR), and torch's intra-op workers keep their own (2 threads left 38,734
+# subnormal values at T = 2048). Scaled, a floored value (>= 1e-30) is >= 1.27 times its operand. fp32 headroom:
+# UT_SCALE |W| and UT_SCALE |T| (strips) below 3.4e38, i.e. |W|, |T| below 2.7e8 (both ~1 or less).
+UT_SCALE = {torch.float32: 2.0**100, torch.float64: 2.0**900}
 
 
 def sub_block_size(C: int, max_abs_g: float, dtype: torch.dtype) -> int:
@@ -54,11 +63,18 @@ def sub_block_size(C: int, max_abs_g: float, dtype: torch.dtype) -> int:
     return 0
 
 
+def _unscale_flushed(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x / scale in place on x, entries with |x / scale| <= floor (1e-30) set to 0: two passes, never a
+    subnormal (x holds values times `scale`, a power of two)."""
+    torch.ops.aten.hardshrink.out(x, scale * math.exp(EXP_FLOOR[x.dtype]), out=x)
+    return x.mul_(1.0 / scale)
+
+
 def _exp_floored(x: torch.Tensor, floor_scale: float = 1.0) -> torch.Tensor:
     """exp(x) for x <= 0 terms whose underflow is harmless, with exp(x) < exp(floor_scale * EXP_FLOOR) flushed to
     exactly 0 (x below the floor becomes -inf in the same pass): never a subnormal factor. In place on x (callers
     pass a fresh temporary). floor_scale 1/2: for the two factors of a strip product, whose product then is 0 or
-    >= 1e-30 (a dropped product is < 1e-15 times the operands, far below fp32 resolution of the O(1) scores)."""
+    >= 1e-30; what that drops is bounded in `_DecayFactors` (below 1e-15 times the operands, not 1e-30)."""
     return torch.nn.functional.threshold(x, floor_scale * EXP_FLOOR[x.dtype], -math.inf, inplace=True).exp_()
 
 
@@ -76,12 +92,13 @@ def flush_denormals_enabled() -> bool:
 def flush_denormals() -> Iterator[None]:
     """Flush-to-zero on the calling thread for the kernel's duration, the caller's setting restored after.
 
-    The decay factors are kept out of the subnormal range by construction (`_exp_floored`), but products of
-    genuinely tiny interactions (rows ~60 apart in a 64-chunk under strong decay: exp(G_r - G_i) < 1e-38) still
-    underflow inside the batched matmuls of the UT transform; FTZ turns those into zeros (each < 1.2e-38) instead
-    of microcode assists. torch.set_flush_denormal is per-thread state: intra-op worker threads keep theirs
-    (docs/performance.md, "Denormals"), the autograd Function scopes it in forward and in backward, whichever
-    thread runs them."""
+    Not what keeps the kernel normal: decay factors are floored (`_exp_floored`) and the UT transform runs scaled
+    (`UT_SCALE`), so on the bench's inputs no op writes a subnormal, with or without FTZ, on any number of threads
+    (but for an isolated product of a tiny gradient and a tiny factor). Kept for what construction misses: when every
+    channel decays near the gate bound at once (g < -4 everywhere), the diagonal sub-blocks' factors span e^+-80
+    and their score products underflow. FTZ turns those into zeros on the calling thread only:
+    torch.set_flush_denormal is per-thread state, intra-op worker threads keep theirs (docs/performance.md,
+    "Denormals"). The autograd Function scopes it in forward and in backward, whichever thread runs them."""
     if flush_denormals_enabled():
         yield
         return
@@ -104,7 +121,15 @@ class _DecayFactors:
     P = exp(G_r - G_m), Q = exp(G_m - G_i) = 1 / P, both within exp(+-(S // 2) max|g|) <= exp(limit) (entries
     above the diagonal may overflow in the score matmul; `tril` drops them). The strip below diagonal block b
     (all later rows, columns of b) splits at b's last row e: exp(G_r - G_e) and exp(G_e - G_i) are both <= 1
-    (g <= 0), so flushing those below 1e-15 to zero (`_exp_floored`) changes nothing that matters. S == 0
+    (g <= 0), and each is flushed to zero below 1e-15 (`_exp_floored`), so a kept product is >= 1e-30. The exact
+    bound on what that drops: a product is dropped only if one factor is < 1e-15, and the other is <= 1, so only
+    decays exp(G_r - G_i) < 1e-15 are dropped (all below 1e-30 are, any in [1e-30, 1e-15) may be). A dropped term
+    a_rc b_ic exp(G_rc - G_ic) of a score is < 1e-15 |a_rc b_ic|: relative to the operands, not the 1e-30
+    absolute of flush-to-zero. For K3 (q, k L2-normalised, q scaled by K^-1/2) a score moves by < 1.25e-16, an
+    output row by < 1.25e-16 sum_i |Vp_i| over the strip's columns: ~1e-9 of an fp32 ulp of an O(1) value.
+    Backward terms alike: < 1e-15 |dA_ri| |b_i|. Floors of 1e-30 per factor would make the bound 1e-30 |a b|,
+    but their products (down to 1e-60) would need the strip products scaled like the UT transform (`UT_SCALE`),
+    forward and backward, and explicitly unscaled before every GEMM that consumes them. S == 0
     (growth, or decay too strong even for S = 2): one block with the exact [C, C, K] factor D = exp(G_r - G_i),
     zero above the diagonal.
 
@@ -225,9 +250,14 @@ def _forward_group(q, k, X0, G, beta, S_all, n0: int, S: int) -> tuple[torch.Ten
     qg = q * Gam
     torch.mul(k, Gam, out=X0[..., :K])  # X0 = [kg | v]
     beta1 = beta.unsqueeze(-1)
-    Tm = A_kk.scale_rows(beta).unit_inverse()  # (I + Diag(beta) A_kk)^-1
-    WU = Tm.mm(X0 * beta1)  # [W | U] = T Diag(beta) [kg | v]
-    W, U = WU[..., :K], WU[..., K:]  # strided views: BLAS takes them as they are
+    scale = UT_SCALE[q.dtype]  # see UT_SCALE: no subnormal on any thread
+    Tm = A_kk.scale_rows(beta, scale).unit_inverse(scale, math.exp(EXP_FLOOR[q.dtype]))  # (I + Diag(beta) A_kk)^-1
+    Xb = torch.empty_like(X0)  # Diag(beta) [kg | v], kg times the scale
+    torch.mul(X0[..., :K], beta1 * scale, out=Xb[..., :K])
+    torch.mul(X0[..., K:], beta1, out=Xb[..., K:])
+    WU = Tm.mm(Xb)  # [W | U] = T Diag(beta) [kg | v]
+    del Xb
+    W, U = _unscale_flushed(WU[..., :K], scale), WU[..., K:]  # strided views: BLAS takes them as they are
     d = Gam[..., -1, :].unsqueeze(-1)  # exp(G_last) [n, X, K, 1]
     Kd = k * E  # [n, X, C, K]
     Vp = torch.empty_like(U, memory_format=torch.contiguous_format)  # pseudo-values U - W S
