@@ -18,9 +18,11 @@ $(BIN)/.installed: pyproject.toml
 
 # DeepSpeed's CPU Adam (the optimizer of deepspeed=*_offload) is a C++ op compiled on first use (~90 CPU-s, cached
 # under ~/.cache/torch_extensions): built once here, as DS_BUILD_CPU_ADAM=1 would at install, so no job stalls on it.
-# Without a compiler the first offload job builds (and reports) it instead.
+# With the virtualenv's bin first on PATH, as the launch scripts and the tests run jobs: torch builds with the first
+# `ninja` on PATH, and a build by another ninja version (the system's 1.11 vs the venv's 1.13) reads as stale and is
+# rebuilt. Without a compiler the first offload job builds (and reports) it instead.
 ops:
-	DS_ACCELERATOR=cpu $(BIN)/python -c "from deepspeed.accelerator import get_accelerator as a; \
+	PATH="$(CURDIR)/$(BIN):$$PATH" DS_ACCELERATOR=cpu $(BIN)/python -c "from deepspeed.accelerator import get_accelerator as a; \
 	a().create_op_builder('CPUAdamBuilder').load()" >/dev/null 2>&1 || echo "warning: could not build DeepSpeed's CPU Adam now"
 
 venv: $(BIN)/.installed

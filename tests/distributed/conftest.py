@@ -55,6 +55,9 @@ def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
         PYTHONUNBUFFERED="1",
         WANDB_SILENT="true",
         PYTHONPATH=os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p),
+        # the virtualenv's bin first, as launch/smoke.sh and `make ops` run: its `ninja` builds DeepSpeed's CPU Adam
+        # (another ninja version would see `make ops`' build as stale and rebuild it, ~90 CPU-s)
+        PATH=os.pathsep.join((os.path.dirname(sys.executable), env.get("PATH", ""))),
     )
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
