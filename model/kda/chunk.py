@@ -71,11 +71,29 @@ def _unscale_flushed(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 def _exp_floored(x: torch.Tensor, floor_scale: float = 1.0) -> torch.Tensor:
-    """exp(x) for x <= 0 terms whose underflow is harmless, with exp(x) < exp(floor_scale * EXP_FLOOR) flushed to
-    exactly 0 (x below the floor becomes -inf in the same pass): never a subnormal factor. In place on x (callers
-    pass a fresh temporary). floor_scale 1/2: for the two factors of a strip product, whose product then is 0 or
-    >= 1e-30; what that drops is bounded in `_DecayFactors` (below 1e-15 times the operands, not 1e-30)."""
-    return torch.nn.functional.threshold(x, floor_scale * EXP_FLOOR[x.dtype], -math.inf, inplace=True).exp_()
+    """exp(x) for x <= 0 terms whose underflow is harmless, with exp(x) <= exp(floor_scale * EXP_FLOOR) flushed to
+    exactly 0: never a subnormal factor. In place on x (callers pass a fresh temporary). floor_scale 1/2: for the two
+    factors of a strip product, whose product then is 0 or >= 1e-30; what that drops is bounded in `_DecayFactors`
+    (below 1e-15 times the operands, not 1e-30).
+
+    Clamped to the floor before exp and thresholded after, not sent to exp as -inf: the vectorised exp takes a slow
+    path for -inf (3.3x) and for arguments whose result is subnormal (35x; FTZ does not help), while clamp and
+    threshold are plain passes (1.4 ms against 4.9 ms for -inf + exp on 1M values, AMD EPYC, bit-identical)."""
+    floor = floor_scale * EXP_FLOOR[x.dtype]
+    at_floor = _EXP_AT_FLOOR.get((x.dtype, floor))
+    if at_floor is None:  # exp of the floor in x's dtype: the clamped entries equal it exactly, and go to 0
+        at_floor = _EXP_AT_FLOOR[(x.dtype, floor)] = float(torch.tensor(floor, dtype=x.dtype).exp())
+    return torch.nn.functional.threshold(x.clamp_(min=floor).exp_(), at_floor, 0.0, inplace=True)
+
+
+_EXP_AT_FLOOR: dict[tuple[torch.dtype, float], float] = {}
+
+
+def _exp_half_floor(x: torch.Tensor) -> torch.Tensor:
+    """exp(max(x, EXP_FLOOR / 2)) in place: a strip factor, >= 1e-15 (fp32), so the product of two is >= 1e-30
+    and never subnormal. Clamped, not flushed: a factor below 1e-15 reads as 1e-15, an error below 1e-15 |a b| in
+    a term a b exp(G_r - G_i), the bound flushing it to 0 would give too (`_DecayFactors`), one pass less."""
+    return x.clamp_(min=0.5 * EXP_FLOOR[x.dtype]).exp_()
 
 
 _TINY_DOUBLE = [1e-300]  # in a list: Python must not fold the probe's product at compile time
@@ -158,8 +176,8 @@ class _DecayFactors:
         for b in range(self.n_s - 1):
             r0 = (b + 1) * S
             G_e = G[..., r0 - 1 : r0, :]
-            P_s = _exp_floored(G[..., r0:, :] - G_e, 0.5)
-            self.strips.append([P_s, _exp_floored(G_e - G[..., r0 - S : r0, :], 0.5)])
+            P_s = _exp_half_floor(G[..., r0:, :] - G_e)
+            self.strips.append([P_s, _exp_half_floor(G_e - G[..., r0 - S : r0, :])])
 
     def _blk(self, x: torch.Tensor) -> torch.Tensor:
         return x.view(*x.shape[:-2], self.n_s, self.S, x.shape[-1])
@@ -217,9 +235,19 @@ class _DecayFactors:
         return Y
 
     def last_row_decay(self) -> torch.Tensor:
-        """E = exp(G_last - G) [..., C, K] (<= 1; < 1e-30 flushed to 0), from G: one exp pass. (The product of
-        the factors would cost no exp, but underflows into subnormals wherever the decay is strong.)"""
-        return _exp_floored(self.G[..., -1:, :] - self.G)
+        """E = exp(G_last - G) [..., C, K] (<= 1). Rows of the last block: one floored exp (< 1e-30 -> 0; within a
+        block the decay spans up to (S - 1) max|g|, so products of the block's own factors would be subnormal).
+        Rows of block b < last: exp(G_last - G_e) exp(G_e - G_i), the strip factors (each 0 or >= 1e-15: the
+        product is 0 or >= 1e-30, never subnormal, and dropped terms are bounded as the strips' are), no exp."""
+        G = self.G
+        if self.exact:
+            return _exp_floored(G[..., -1:, :] - G)
+        S = self.S
+        E = torch.empty_like(G)
+        _exp_floored(torch.sub(G[..., -1:, :], G[..., -S:, :], out=E[..., -S:, :]))
+        for j, (P_s, Q_s) in enumerate(self.strips):
+            torch.mul(Q_s, P_s[..., -1:, :], out=E[..., j * S : (j + 1) * S, :])
+        return E
 
     def gamma(self) -> torch.Tensor:
         """Gam = exp(G) [..., C, K] (<= 1 for g <= 0; < 1e-30 flushed to 0)."""
