@@ -68,19 +68,19 @@ SHARED = {
     "data-fixtures": ("data/",),  # corpus, tokenizers (tests/data/conftest.py)
     "multinode": ("multinode/",),  # the two namespace nodes, their Slurm, the two-node reference job
 }
-# Units start in this order, the longest first (seconds of `pytest --durations` in a fresh clone on an idle 2-core
-# machine, both workers busy, 2026-12-05), so the two workers end together: a unit not listed starts after these, in
-# collection order (all of them are short).
+# Units start in this order, about the longest first (seconds of `pytest --durations` in a fresh clone on an idle
+# 2-core machine, both workers busy, 2026-12-05; the first nine re-measured 2026-12-06), so the two workers end
+# together: a unit not listed starts after these, in collection order (all of them are short).
 FIRST = (
-    "test_documented_commands.py",  # 280 (2026-12-05); 614 in the 2026-12-06 merge run (machine shared, see below)
-    "ep2_ref",  # 81 + 90 + eval loop 160 + 117 (2026-12-06 merge run, machine partly shared)
-    "multinode",  # 106 + 54 + 44 + 36 + 9 (2026-12-06 merge run)
-    "distributed/test_zero3_ep.py",  # 123 in a new virtualenv (~65 of it DeepSpeed's CPU Adam JIT build), else 53
-    "ref_run",  # 44 + 32 + 23
-    "distributed/test_sequence_parallel.py",  # 81 + 20
-    "distributed/test_vision_train.py",  # 77 (6 launches, 5 at once)
-    "distributed/test_muon_zero.py",  # 48
-    "training/test_plan_zero3_sp.py",  # 43
+    "test_documented_commands.py",  # 282 (fresh clone, idle, 2026-12-06 07:30 run: the numbers below)
+    "ep2_ref",  # 54 + 39 + eval loop 61 + 47
+    "multinode",  # 46 + 34 + 28 + 17
+    "distributed/test_zero3_ep.py",  # 78 (CPU Adam prebuilt by `make ops`)
+    "ref_run",  # 26 + 26 + 25
+    "distributed/test_sequence_parallel.py",  # 124 + 19
+    "distributed/test_vision_train.py",  # 101 (7 launches, 6 at once)
+    "distributed/test_muon_zero.py",  # 57
+    "training/test_plan_zero3_sp.py",  # 48
     "base_run",  # 17 + 5 + 5 + 3 + 3
     "training/test_entry_points.py",  # 11 + 3 + 3
     "fault/test_sweep.py",  # 31
