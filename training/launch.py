@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     elif hostfile:
         if "ServerAlive" not in env.get("PDSH_SSH_ARGS_APPEND", ""):  # a node cut off ends its ssh, not the job
             env["PDSH_SSH_ARGS_APPEND"] = f"{SSH_KEEPALIVE} {env.get('PDSH_SSH_ARGS_APPEND', '')}".strip()
-        master_port = preflight(hostfile, num_gpus, master_port, LOWEST_PORT) or master_port
+        master_port = preflight(hostfile, num_gpus, master_port) or master_port
         env["DS_ENV_FILE"] = str(env_file())  # an absolute path: DeepSpeed's runner reads it for the pdsh exports
         extra = ["--no_ssh_check"]  # done above, through the same ssh options pdsh uses
     elif master_port and not port_is_free(int(master_port)):

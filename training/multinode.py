@@ -34,31 +34,25 @@ FORWARD = ("DS_ACCELERATOR", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCH_EXTENS
 FORWARD_PREFIXES = ("GLOO_", "NCCL_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "WANDB_", "HF_", "K3_")
 SSH_TIMEOUT_S = 10
 
-# Run on each node with its venv's python: its usable CPUs, its GPUs, and (on the master) the port to use: the one
-# asked for if it is free, else a free one below the ephemeral range (training/launch.py's rule). Exit 5: taken.
+# Run on each node with its venv's python in the checkout: its usable CPUs, its GPUs, and (on the master) the port
+# to use: the one asked for if it is free, else a free one of training/launch.py's candidate range. Exit 5: taken.
 _PROBE = """
-import os, random, shutil, socket, subprocess, sys
-def free(port):
-    with socket.socket() as s:
-        try:
-            s.bind(("", port))
-        except OSError:
-            return False
-    return True
+import os, random, shutil, subprocess, sys
+from training.launch import candidate_ports, port_is_free
 gpus = 0
 if shutil.which("nvidia-smi"):
     out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
     gpus = sum(1 for line in out.splitlines() if line.startswith("GPU "))
 print("cpus", len(os.sched_getaffinity(0)), "gpus", gpus)
-want, lowest = int(sys.argv[1]), int(sys.argv[2])
+want = int(sys.argv[1])
 if want > 0:
-    if not free(want):
+    if not port_is_free(want):
         sys.exit(5)
     print("port", want)
 elif want == 0:
-    lo = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-    for port in random.SystemRandom().sample(range(lowest, max(lo, lowest + 1000)), 200):
-        if free(port):
+    ports = candidate_ports()
+    for port in random.SystemRandom().sample(ports, min(200, len(ports))):
+        if port_is_free(port):
             print("port", port)
             break
 """
@@ -99,10 +93,10 @@ def ssh_command(host: str, remote: str) -> list[str]:
     return ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={SSH_TIMEOUT_S}", *extra, host, remote]
 
 
-def _probe(host: str, root: str, python: str, port: int, lowest_port: int) -> NodeReport:
+def _probe(host: str, root: str, python: str, port: int) -> NodeReport:
     remote = (
         f"cd {shlex.quote(root)} 2>/dev/null || exit 3; test -x {shlex.quote(python)} || exit 4; "
-        f"exec {shlex.quote(python)} -c {shlex.quote(_PROBE)} {port} {lowest_port}"
+        f"exec {shlex.quote(python)} -c {shlex.quote(_PROBE)} {port}"
     )
     try:
         p = subprocess.run(ssh_command(host, remote), capture_output=True, text=True, timeout=SSH_TIMEOUT_S + 20)
@@ -134,19 +128,15 @@ def _probe(host: str, root: str, python: str, port: int, lowest_port: int) -> No
     return NodeReport(host, int(cpus_gpus[0]), int(cpus_gpus[2]), int(words["port"]) if "port" in words else None)
 
 
-def preflight(
-    hostfile: str, ranks_per_node: int, master_port: int | None, lowest_port: int, root: str | None = None
-) -> int | None:
+def preflight(hostfile: str, ranks_per_node: int, master_port: int | None, root: str | None = None) -> int | None:
     """Check every node of `hostfile` at once (see the module docstring); returns the master port (the one given,
-    checked free on the master, or one chosen free there at or above `lowest_port`). One-line SystemExit on the
+    checked free on the master, or one chosen free there as training/launch.py chooses). One-line SystemExit on the
     first problem."""
     hosts = parse_hostfile(hostfile)
     root = root or os.getcwd()
     with ThreadPoolExecutor(min(32, len(hosts))) as pool:
         want = [int(master_port or 0)] + [-1] * (len(hosts) - 1)  # the master: the port; the others: none
-        futures = [
-            pool.submit(_probe, host, root, sys.executable, port, lowest_port) for (host, _), port in zip(hosts, want)
-        ]
+        futures = [pool.submit(_probe, host, root, sys.executable, port) for (host, _), port in zip(hosts, want)]
         reports = [f.result() for f in futures]
     for (host, slots), r in zip(hosts, reports):
         have, kind = (r.gpus, "GPUs") if r.gpus else (r.cpus, "CPUs (no GPU)")

@@ -70,23 +70,19 @@ def _unscale_flushed(x: torch.Tensor, scale: float) -> torch.Tensor:
     return x.mul_(1.0 / scale)
 
 
-def _exp_floored(x: torch.Tensor, floor_scale: float = 1.0) -> torch.Tensor:
-    """exp(x) for x <= 0 terms whose underflow is harmless, with exp(x) <= exp(floor_scale * EXP_FLOOR) flushed to
-    exactly 0: never a subnormal factor. In place on x (callers pass a fresh temporary). floor_scale 1/2: for the two
-    factors of a strip product, whose product then is 0 or >= 1e-30; what that drops is bounded in `_DecayFactors`
-    (below 1e-15 times the operands, not 1e-30).
+def _exp_floored(x: torch.Tensor) -> torch.Tensor:
+    """exp(x) for x <= 0 terms whose underflow is harmless, with exp(x) <= exp(EXP_FLOOR) (1e-30 in fp32) flushed
+    to exactly 0: never a subnormal factor. In place on x (callers pass a fresh temporary).
 
     Clamped to the floor before exp and thresholded after, not sent to exp as -inf: the vectorised exp takes a slow
     path for -inf (3.3x) and for arguments whose result is subnormal (35x; FTZ does not help), while clamp and
     threshold are plain passes (1.4 ms against 4.9 ms for -inf + exp on 1M values, AMD EPYC, bit-identical)."""
-    floor = floor_scale * EXP_FLOOR[x.dtype]
-    at_floor = _EXP_AT_FLOOR.get((x.dtype, floor))
-    if at_floor is None:  # exp of the floor in x's dtype: the clamped entries equal it exactly, and go to 0
-        at_floor = _EXP_AT_FLOOR[(x.dtype, floor)] = float(torch.tensor(floor, dtype=x.dtype).exp())
-    return torch.nn.functional.threshold(x.clamp_(min=floor).exp_(), at_floor, 0.0, inplace=True)
+    floor = EXP_FLOOR[x.dtype]
+    return torch.nn.functional.threshold(x.clamp_(min=floor).exp_(), _EXP_AT_FLOOR[x.dtype], 0.0, inplace=True)
 
 
-_EXP_AT_FLOOR: dict[tuple[torch.dtype, float], float] = {}
+# exp(EXP_FLOOR) in each dtype, as exp computes it there: the clamped entries equal it exactly and go to 0
+_EXP_AT_FLOOR = {dt: float(torch.tensor(f, dtype=dt).exp()) for dt, f in EXP_FLOOR.items()}
 
 
 def _exp_half_floor(x: torch.Tensor) -> torch.Tensor:
@@ -139,15 +135,15 @@ class _DecayFactors:
     P = exp(G_r - G_m), Q = exp(G_m - G_i) = 1 / P, both within exp(+-(S // 2) max|g|) <= exp(limit) (entries
     above the diagonal may overflow in the score matmul; `tril` drops them). The strip below diagonal block b
     (all later rows, columns of b) splits at b's last row e: exp(G_r - G_e) and exp(G_e - G_i) are both <= 1
-    (g <= 0), and each is flushed to zero below 1e-15 (`_exp_floored`), so a kept product is >= 1e-30. The exact
-    bound on what that drops: a product is dropped only if one factor is < 1e-15, and the other is <= 1, so only
-    decays exp(G_r - G_i) < 1e-15 are dropped (all below 1e-30 are, any in [1e-30, 1e-15) may be). A dropped term
-    a_rc b_ic exp(G_rc - G_ic) of a score is < 1e-15 |a_rc b_ic|: relative to the operands, not the 1e-30
-    absolute of flush-to-zero. For K3 (q, k L2-normalised, q scaled by K^-1/2) a score moves by < 1.25e-16, an
-    output row by < 1.25e-16 sum_i |Vp_i| over the strip's columns: ~1e-9 of an fp32 ulp of an O(1) value.
-    Backward terms alike: < 1e-15 |dA_ri| |b_i|. Floors of 1e-30 per factor would make the bound 1e-30 |a b|,
-    but their products (down to 1e-60) would need the strip products scaled like the UT transform (`UT_SCALE`),
-    forward and backward, and explicitly unscaled before every GEMM that consumes them. S == 0
+    (g <= 0), and each is clamped at 1e-15 (`_exp_half_floor`), so every product is >= 1e-30. The exact bound
+    on what that changes: a product changes only if one factor is < 1e-15, and the other is <= 1, so only decays
+    exp(G_r - G_i) < 1e-15 change, and a changed term a_rc b_ic exp(G_rc - G_ic) of a score moves by
+    < 1e-15 |a_rc b_ic|: relative to the operands, not the 1e-30 absolute of flush-to-zero. For K3 (q, k
+    L2-normalised, q scaled by K^-1/2) a score moves by < 1.25e-16, an output row by < 1.25e-16 sum_i |Vp_i|
+    over the strip's columns: ~1e-9 of an fp32 ulp of an O(1) value. Backward terms alike: < 1e-15 |dA_ri| |b_i|.
+    Floors of 1e-30 per factor would make the bound 1e-30 |a b|, but their products (down to 1e-60) would need
+    the strip products scaled like the UT transform (`UT_SCALE`), forward and backward, and explicitly unscaled
+    before every GEMM that consumes them. S == 0
     (growth, or decay too strong even for S = 2): one block with the exact [C, C, K] factor D = exp(G_r - G_i),
     zero above the diagonal.
 

@@ -79,7 +79,7 @@ def test_a_node_without_the_venv_or_the_checkout_is_named(cluster):
     b = cluster.nodes[1]
     code = (
         "import sys\nfrom training.multinode import _probe\n"
-        "try:\n    _probe(sys.argv[1], sys.argv[2], sys.argv[3], -1, 20000)\nexcept SystemExit as e:\n    print(e)\n"
+        "try:\n    _probe(sys.argv[1], sys.argv[2], sys.argv[3], -1)\nexcept SystemExit as e:\n    print(e)\n"
     )
     run = [sys.executable, "-c", code, b.addr]
     env = job_env(cluster.env())

@@ -12,6 +12,16 @@ from model.lora import merge_lora
 from training.tools.export import load_checkpoint_model
 
 
+def zero0_tag(root: Path, model: torch.nn.Module) -> Path:
+    """A ZeRO-0 checkpoint step dir as the trainer writes it: module state, config.json, COMPLETE."""
+    tag = root / "checkpoints" / "step_1"
+    tag.mkdir(parents=True)
+    torch.save({"module": model.state_dict()}, tag / "mp_rank_00_model_states.pt")
+    model.config.save(tag)
+    (tag / "COMPLETE").write_text("")
+    return tag
+
+
 def tensors(d: Path) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for f in sorted(d.glob("*.safetensors")):

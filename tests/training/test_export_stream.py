@@ -9,11 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from model import K3ForCausalLM, K3ForConditionalGeneration
 from tests.model.vision_micro import micro_mm_config, randomise
-from tests.training.export_compare import assert_same_as_consolidated, tensors
+from tests.training.export_compare import assert_same_as_consolidated, tensors, zero0_tag
 from training.launch import free_port
 from training.tools.cli import ToolError
 from training.tools.export import export_checkpoint
@@ -21,19 +20,9 @@ from training.tools.export import export_checkpoint
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _zero0_tag(root: Path, model: torch.nn.Module) -> Path:
-    """A ZeRO-0 checkpoint step dir as the trainer writes it: module state, config.json, COMPLETE."""
-    tag = root / "checkpoints" / "step_1"
-    tag.mkdir(parents=True)
-    torch.save({"module": model.state_dict()}, tag / "mp_rank_00_model_states.pt")
-    model.config.save(tag)
-    (tag / "COMPLETE").write_text("")
-    return tag
-
-
 @pytest.fixture(scope="module")
 def mm_tag(tmp_path_factory) -> Path:
-    return _zero0_tag(tmp_path_factory.mktemp("mm"), randomise(K3ForConditionalGeneration(micro_mm_config()), std=0.1))
+    return zero0_tag(tmp_path_factory.mktemp("mm"), randomise(K3ForConditionalGeneration(micro_mm_config()), std=0.1))
 
 
 def test_streamed_export_equals_the_consolidated_one_bitwise(mm_tag, tmp_path):
@@ -98,7 +87,7 @@ def test_launched_ranks_write_the_shards_of_one_process(mm_tag, tmp_path):
 
 
 def test_text_state_with_a_tower_config_streams_text_only(tmp_path):
-    tag = _zero0_tag(tmp_path, K3ForCausalLM(micro_mm_config()))
+    tag = zero0_tag(tmp_path, K3ForCausalLM(micro_mm_config()))
     out = Path(export_checkpoint(str(tag), str(tmp_path / "hf")))
     assert not any(k.startswith("vision_tower.") for k in tensors(out))
     assert_same_as_consolidated(tag, out, tmp_path)

@@ -8,22 +8,13 @@ from safetensors.torch import load_file
 
 from model import K3ForCausalLM, K3ForConditionalGeneration, load_hf_checkpoint
 from tests.model.vision_micro import micro_mm_config, randomise
+from tests.training.export_compare import zero0_tag
 from training.tools.export import export_checkpoint
-
-
-def _zero0_tag(tmp_path, model: torch.nn.Module):
-    """A ZeRO-0 checkpoint step dir as the trainer writes it: module state, config.json, COMPLETE."""
-    tag = tmp_path / "checkpoints" / "step_1"
-    tag.mkdir(parents=True)
-    torch.save({"module": model.state_dict()}, tag / "mp_rank_00_model_states.pt")
-    model.config.save(tag)
-    (tag / "COMPLETE").write_text("")
-    return tag
 
 
 def test_export_of_a_multimodal_state_keeps_every_vision_tensor_bitwise(tmp_path):
     m = randomise(K3ForConditionalGeneration(micro_mm_config()), std=0.1)
-    out = export_checkpoint(str(_zero0_tag(tmp_path, m)), str(tmp_path / "hf"))
+    out = export_checkpoint(str(zero0_tag(tmp_path, m)), str(tmp_path / "hf"))
     saved = load_file(f"{out}/model.safetensors")
     for k, t in m.state_dict().items():
         if k.startswith(("vision_tower.", "mm_projector.")):
@@ -35,7 +26,7 @@ def test_export_of_a_multimodal_state_keeps_every_vision_tensor_bitwise(tmp_path
 
 def test_export_of_a_text_state_with_a_tower_config_is_text_only_and_says_so(tmp_path, capsys):
     m = K3ForCausalLM(micro_mm_config())
-    out = export_checkpoint(str(_zero0_tag(tmp_path, m)), str(tmp_path / "hf"))
+    out = export_checkpoint(str(zero0_tag(tmp_path, m)), str(tmp_path / "hf"))
     err = capsys.readouterr().err
     assert "holds no vision tensors" in err and "writing a text-only checkpoint" in err
     assert type(load_hf_checkpoint(out)) is K3ForCausalLM

@@ -93,7 +93,8 @@ def score_rows(
     lo = ctx.sp_rank * n  # this rank's slice (pack_microbatch keeps tokens [lo, lo + n))
     targets_n = whole[lo : lo + n]
     inputs = micro.model_inputs(ctx.device)
-    inputs.pop("labels", None), inputs.pop("targets", None)  # targets are scored here, in float64
+    for key in ("labels", "targets"):  # no loss in the model: targets are scored here, in float64
+        inputs.pop(key, None)
     out = ctx.module(**inputs)
     logits_nV = out.logits[0]
     del out
