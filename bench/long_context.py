@@ -298,3 +298,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 if __name__ == "__main__":
     main()
+    from training.distributed import leave
+
+    sys.exit(leave(0))  # a rank ends without interpreter teardown (training/distributed.py)

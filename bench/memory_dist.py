@@ -199,3 +199,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    from training.distributed import leave
+
+    sys.exit(leave(0))  # a rank ends without interpreter teardown (training/distributed.py)

@@ -38,6 +38,7 @@ import argparse
 import ctypes
 import gc
 import os
+import sys
 import time
 from typing import Any, Callable
 
@@ -472,3 +473,6 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    from training.distributed import leave
+
+    sys.exit(leave(0))  # a rank ends without interpreter teardown (training/distributed.py)

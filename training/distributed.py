@@ -8,7 +8,9 @@ all-gather with variable lengths, so the router bias is a function of the global
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -117,3 +119,21 @@ def peer_lost(e: BaseException) -> bool:
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def leave(code: int) -> int:
+    """End a process that joined a process group without the interpreter's teardown (`sys.exit(leave(main()))`).
+
+    A gloo worker thread drops its last finished work just after the collective returns; if that is the last owner
+    of a tensor Python also held, the drop takes the GIL, and during teardown that kills the rank with SIGABRT
+    ("terminate called without an active exception", pytorch/pytorch#190489) after it did all its work: ~1
+    launched export in 20 on a loaded 2-core machine. destroy_process_group does not prevent it here: DeepSpeed's
+    groups and default arguments (`group=GroupMember.WORLD`, bound at import) keep the groups and their threads
+    alive. So the exit handlers (W&B, logging) run while the interpreter is whole, stdio is flushed, and the
+    process ends with `os._exit(code)`. A process without a group returns `code` and exits normally."""
+    if not dist.is_initialized():
+        return code
+    atexit._run_exitfuncs()  # the handlers the interpreter would run first at exit (logging, W&B, multiprocessing)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -28,7 +28,7 @@ from model.params import count_params
 from training import watchdog
 from training.checkpoint import CheckpointError, preflight, settle
 from training.config import CONF_DIR, TrainConfigError, resolve_run_dir, validate
-from training.distributed import env_world, peer_lost
+from training.distributed import env_world, leave, peer_lost
 from training.guard import TooManyBadSteps
 from training.launch import launch_command
 from training.rundir import RunDirError, archive_previous_run, check_run_dir, checkpoint_bytes_estimate, lock_run_dir
@@ -158,7 +158,13 @@ def main() -> None:
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # silences DeepSpeed's accelerator-detection warning
-    hydra_main()
+    try:
+        hydra_main()
+    except SystemExit as e:  # the error paths above (2, 3); a rank with a process group still leaves below
+        if not isinstance(e.code, int | None):
+            raise
+        sys.exit(leave(e.code or 0))
+    sys.exit(leave(0))
 
 
 if __name__ == "__main__":

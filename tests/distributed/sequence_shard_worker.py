@@ -92,3 +92,6 @@ def seam_diffs(T: int, lengths: list[int], depth: int, mixer_tile: int) -> dict[
 
 if __name__ == "__main__":
     main()
+    from training.distributed import leave
+
+    sys.exit(leave(0))  # a rank ends without interpreter teardown (training/distributed.py)

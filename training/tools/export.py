@@ -296,4 +296,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from training.distributed import leave
+
+    sys.exit(leave(main()))  # a launched rank ends without interpreter teardown (training/distributed.py)
