@@ -1,7 +1,8 @@
 """Every command README.md, data/README.md and docs/*.md show runs as written (with tiny overrides where a full
-run would take minutes), so a documented command cannot rot. A new command in the docs fails
-`test_every_documented_command_is_run_or_exempt` until it is given a tiny form here (or an exemption with the
-reason it cannot run on a CPU-only machine)."""
+run would take minutes), so a documented command cannot rot; where one runs as shown (a tool: the planner, the
+tokenizer, export), every output line the docs show beside it must be among what it prints. A new command in the
+docs fails `test_every_documented_command_is_run_or_exempt` until it is given a tiny form here (or an exemption
+with the reason it cannot run on a CPU-only machine)."""
 
 from __future__ import annotations
 
@@ -132,6 +133,37 @@ def tiny(cmd: str, tmp: Path) -> str:
         cmd = re.sub(r"--seqs(\s+\d+)*|--steps(\s+\d+)+", "", cmd)  # bench.long_context: tiny lengths below
         return cmd + BENCH_TINY[m.group(1)]
     return cmd
+
+
+def shown_outputs() -> dict[str, list[str]]:
+    """The output a doc shows under a `$ command` in a fenced block (up to the next `$ ` or the fence), by
+    command; `...` stands for lines left out."""
+    shown: dict[str, list[str]] = {}
+    for doc in DOCS:
+        fenced, cmd, buf = False, None, ""
+        for raw in doc.read_text().splitlines():
+            if raw.strip().startswith("```"):
+                fenced, cmd = not fenced, None
+                continue
+            if not fenced:
+                continue
+            if raw.startswith("$ ") or buf:
+                buf = (buf + " " + raw.removeprefix("$ ").rstrip("\\").strip()).strip()
+                if not raw.endswith("\\"):
+                    cmd, buf = buf, ""
+                    shown.setdefault(cmd, [])
+            elif cmd is not None and raw.strip() != "...":
+                shown[cmd].append(raw)
+    return {c: lines for c, lines in shown.items() if lines}
+
+
+def unchanged(cmd: str, line: str, tmp: Path) -> bool:
+    """Whether `tiny` only moved the command's paths under tmp (it runs as shown: its output can be compared)."""
+    return line.replace(f"{tmp}/", "") == cmd
+
+
+def _words(text: str) -> str:
+    return " ".join(text.split())
 
 
 def _env(tmp: Path) -> dict[str, str]:
@@ -298,7 +330,8 @@ def test_spellings_of_the_smoke_job_are_one_job():
 
 def test_documented_commands_run(tmp_path):
     """Every documented command runs; commands that share a path (`shared`) run in document order, later ones
-    using what earlier ones wrote (a run dir, a tokenizer, an export), the others alongside them."""
+    using what earlier ones wrote (a run dir, a tokenizer, an export), the others alongside them. A command that
+    ran as shown prints every output line the docs show beside it (whitespace aside)."""
     ran, seen = [], set()
     for cmd in documented_commands():
         if cmd in EXEMPT:
@@ -318,6 +351,15 @@ def test_documented_commands_run(tmp_path):
         if p.returncode != 0
     ]
     assert failed == [], "\n\n".join(failed)
+    shown = shown_outputs()
+    compared, stale = 0, []
+    for (cmd, line), p in zip(ran, results):
+        if cmd in shown and unchanged(cmd, line, tmp_path):  # a tool run as shown: the docs show its output
+            compared += 1
+            printed = {_words(x) for x in p.stdout.replace(f"{tmp_path}/", "").splitlines()}
+            stale += [f"{cmd}\n  shows: {x}" for x in shown[cmd] if _words(x) not in printed]
+    assert stale == [], "output the docs show is not what the command prints:\n" + "\n".join(stale)
+    assert compared >= 8  # the planner's and the tokenizer's blocks at least
     assert len(ran) >= 12
     assert not (REPO / "k3_plan.json").exists()  # nothing documented writes into the checkout
     assert shlex.split(ran[0][1])[:2] == ["make", "smoke"]  # the README's first command runs first
