@@ -82,15 +82,17 @@ BENCH_TINY = {
 }
 
 
-def documented_commands() -> list[str]:
+def scan_docs() -> tuple[list[str], dict[str, list[str]]]:
     """Commands in fenced or indented code blocks (`$ ` prompts stripped, `\\` continuations joined) and in
-    inline code spans, in document order, without duplicates."""
+    inline code spans, in document order, without duplicates; and the output a fenced block shows under a
+    `$ command` (up to the next command or the fence; `...` stands for lines left out), by command."""
     out: list[str] = []
+    shown: dict[str, list[str]] = {}
     for doc in DOCS:
-        fenced, buf = False, ""
+        fenced, buf, prompted, last = False, "", False, None
         for raw in doc.read_text().splitlines():
             if raw.strip().startswith("```"):
-                fenced = not fenced
+                fenced, last = not fenced, None
                 continue
             line = raw.strip().removeprefix("$ ")
             if fenced or raw.startswith("    "):
@@ -98,16 +100,24 @@ def documented_commands() -> list[str]:
                     buf += " " + line.rstrip("\\").strip()
                     if not line.endswith("\\"):
                         out.append(buf)
-                        buf = ""
+                        last, buf = (buf if prompted else None), ""
                 elif COMMAND.match(line):
+                    prompted = raw.startswith("$ ")
                     if line.endswith("\\"):
                         buf = line.rstrip("\\").strip()
                     else:
                         out.append(line)
+                        last = line if prompted else None
+                elif fenced and last is not None and line != "...":
+                    shown.setdefault(last, []).append(raw)
                 continue
             out += [m.group(1).strip() for m in re.finditer(r"`([^`]+)`", raw) if COMMAND.match(m.group(1).strip())]
     cleaned = [re.sub(r"\s+#.*$", "", c).strip() for c in out]
-    return list(dict.fromkeys(c for c in cleaned if not TEMPLATE.search(c)))
+    return list(dict.fromkeys(c for c in cleaned if not TEMPLATE.search(c))), shown
+
+
+def documented_commands() -> list[str]:
+    return scan_docs()[0]
 
 
 def tiny(cmd: str, tmp: Path) -> str:
@@ -133,28 +143,6 @@ def tiny(cmd: str, tmp: Path) -> str:
         cmd = re.sub(r"--seqs(\s+\d+)*|--steps(\s+\d+)+", "", cmd)  # bench.long_context: tiny lengths below
         return cmd + BENCH_TINY[m.group(1)]
     return cmd
-
-
-def shown_outputs() -> dict[str, list[str]]:
-    """The output a doc shows under a `$ command` in a fenced block (up to the next `$ ` or the fence), by
-    command; `...` stands for lines left out."""
-    shown: dict[str, list[str]] = {}
-    for doc in DOCS:
-        fenced, cmd, buf = False, None, ""
-        for raw in doc.read_text().splitlines():
-            if raw.strip().startswith("```"):
-                fenced, cmd = not fenced, None
-                continue
-            if not fenced:
-                continue
-            if raw.startswith("$ ") or buf:
-                buf = (buf + " " + raw.removeprefix("$ ").rstrip("\\").strip()).strip()
-                if not raw.endswith("\\"):
-                    cmd, buf = buf, ""
-                    shown.setdefault(cmd, [])
-            elif cmd is not None and raw.strip() != "...":
-                shown[cmd].append(raw)
-    return {c: lines for c, lines in shown.items() if lines}
 
 
 def unchanged(cmd: str, line: str, tmp: Path) -> bool:
@@ -351,7 +339,7 @@ def test_documented_commands_run(tmp_path):
         if p.returncode != 0
     ]
     assert failed == [], "\n\n".join(failed)
-    shown = shown_outputs()
+    shown = scan_docs()[1]
     compared, stale = 0, []
     for (cmd, line), p in zip(ran, results):
         if cmd in shown and unchanged(cmd, line, tmp_path):  # a tool run as shown: the docs show its output
